@@ -1,0 +1,192 @@
+"""Wiring: settings -> the router's objects -> two aiohttp applications (ingress and admin) -> sockets.
+
+Resources with a lifetime (the pooled upstream client session, the telemetry task) live in the ingress
+app's `cleanup_ctx`, so they are created on start-up and closed on shutdown in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from router.balancer import Balancer
+from router.context import CONTEXT, RouterContext
+from router.engine_metrics import EngineMetricsScraper
+from router.handlers import add_admin_routes, add_ingress_routes, openai_errors
+from router.loads import LoadTracker
+from router.metrics import RouterMetrics
+from router.policies.registry import PolicyRegistry
+from router.proxy import Proxy
+from router.settings import Settings
+
+log = logging.getLogger("fleetroute.app")
+
+
+def build_context(
+    settings: Settings,
+    *,
+    rng: random.Random | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    registry: PolicyRegistry | None = None,
+) -> RouterContext:
+    registry = registry or PolicyRegistry()
+    rng = rng or random.Random()
+    metrics = RouterMetrics()
+    loads = LoadTracker(metrics)
+    balancer = Balancer(
+        policies=settings.policies,
+        registry=registry,
+        metrics=metrics,
+        loads=loads,
+        stale_after=settings.engine_metrics.stale_after,
+        rng=rng,
+        clock=clock,
+    )
+    balancer.set_endpoints(settings.endpoints)  # static discovery
+    balancer.rebuild()
+    return RouterContext(
+        settings=settings, metrics=metrics, loads=loads, balancer=balancer, registry=registry, clock=clock, rng=rng
+    )
+
+
+async def _upstream(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[CONTEXT]
+    connector = aiohttp.TCPConnector(
+        limit=0,  # engines queue requests themselves; a router-side cap would hide that queue
+        keepalive_timeout=60,
+        ttl_dns_cache=10,
+    )
+    session = aiohttp.ClientSession(
+        connector=connector,
+        auto_decompress=False,  # bodies pass through as bytes, compressed or not
+        cookie_jar=aiohttp.DummyCookieJar(),  # a proxy must not keep one client's cookies for the next
+        skip_auto_headers=("Accept-Encoding", "User-Agent"),
+    )
+    ctx.proxy = Proxy(session=session, loads=ctx.loads, metrics=ctx.metrics)
+    task = None
+    if ctx.settings.engine_metrics.enabled:
+        scraper = EngineMetricsScraper(
+            settings=ctx.settings.engine_metrics,
+            session=session,
+            endpoints=ctx.balancer.endpoints,
+            on_report=ctx.balancer.report_telemetry,
+            metrics=ctx.metrics,
+            clock=ctx.clock,
+        )
+        task = asyncio.create_task(_telemetry_loop(scraper, ctx), name="fleetroute-engine-metrics")
+    ctx.started = True
+    try:
+        yield
+    finally:
+        ctx.draining = True
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await session.close()
+
+
+async def _telemetry_loop(scraper: EngineMetricsScraper, ctx: RouterContext) -> None:
+    while True:
+        await scraper.scrape_all()
+        ctx.balancer.schedule_rebuild()  # once per round: also ages out endpoints that stopped reporting
+        await asyncio.sleep(ctx.settings.engine_metrics.interval)
+
+
+def build_apps(ctx: RouterContext) -> tuple[web.Application, web.Application]:
+    ingress = web.Application(client_max_size=ctx.settings.max_body_bytes, middlewares=[openai_errors])
+    ingress[CONTEXT] = ctx
+    ingress.cleanup_ctx.append(_upstream)
+    add_ingress_routes(ingress)
+    admin = web.Application(middlewares=[openai_errors])
+    admin[CONTEXT] = ctx
+    add_admin_routes(admin)
+    return ingress, admin
+
+
+@dataclass
+class RunningRouter:
+    """A started router: its context, bound addresses, and how to stop it."""
+
+    ctx: RouterContext
+    ingress_url: str
+    admin_url: str
+    ingress_runner: web.AppRunner
+    admin_runner: web.AppRunner
+
+    async def close(self) -> None:
+        self.ctx.draining = True
+        await self.ingress_runner.cleanup()  # stops accepting, waits for in-flight requests (shutdown grace)
+        await self.admin_runner.cleanup()
+
+
+def _bound_port(runner: web.AppRunner) -> int:
+    for site in runner.sites:
+        server = getattr(site, "_server", None)
+        if server is not None and server.sockets:
+            return server.sockets[0].getsockname()[1]
+    raise RuntimeError("site is not bound")
+
+
+async def start_router(ctx: RouterContext, *, reuse_port: bool = False) -> RunningRouter:
+    settings = ctx.settings
+    ingress, admin = build_apps(ctx)
+    ingress_runner = web.AppRunner(
+        ingress,
+        access_log=None,  # our access log is structured and written by the handler
+        handler_cancellation=True,  # a client disconnect cancels the handler, which cancels upstream
+        shutdown_timeout=settings.shutdown_grace,
+    )
+    admin_runner = web.AppRunner(admin, access_log=None, shutdown_timeout=1.0)
+    await ingress_runner.setup()
+    await admin_runner.setup()
+    try:
+        await web.TCPSite(ingress_runner, settings.listen.host, settings.listen.port, reuse_port=reuse_port).start()
+        await web.TCPSite(admin_runner, settings.admin.host, settings.admin.port, reuse_port=reuse_port).start()
+    except OSError:
+        await ingress_runner.cleanup()
+        await admin_runner.cleanup()
+        raise
+    host = settings.listen.host if settings.listen.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    admin_host = settings.admin.host if settings.admin.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    return RunningRouter(
+        ctx=ctx,
+        ingress_url=f"http://{host}:{_bound_port(ingress_runner)}",
+        admin_url=f"http://{admin_host}:{_bound_port(admin_runner)}",
+        ingress_runner=ingress_runner,
+        admin_runner=admin_runner,
+    )
+
+
+async def serve(settings: Settings, *, reuse_port: bool = False) -> None:
+    """Run a router until SIGTERM or SIGINT, then drain: readiness fails first, in-flight requests finish."""
+    ctx = build_context(settings)
+    running = await start_router(ctx, reuse_port=reuse_port)
+    log.info(
+        "router listening",
+        extra={
+            "ingress": running.ingress_url,
+            "admin": running.admin_url,
+            "endpoints": len(settings.endpoints),
+            "models": list(ctx.balancer.models()),
+            "policies": [p.name for p in settings.policies] or ["default"],
+        },
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down; draining in-flight requests", extra={"in_flight": ctx.loads.total()})
+        await running.close()

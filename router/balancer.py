@@ -1,0 +1,170 @@
+"""The balancer owns the current routing snapshot and one picker per model, and rebuilds them on change.
+
+Inputs arrive from discovery (`set_endpoints`), telemetry (`report_telemetry`) and operators
+(`set_state`). Each marks the snapshot dirty and schedules one rebuild on the event loop; a burst of
+updates (every endpoint's scrape landing in the same interval) collapses into a single rebuild (Finagle).
+A rebuild makes a new immutable `Snapshot`, judges telemetry age (stale reports become unknown), then asks
+each model's policy to build a new picker and swaps the references. `pick` only reads them: it never
+awaits and never rebuilds on the request path.
+
+State that must outlive a rebuild (round-robin cursor, hash ring) is kept per (policy, model) pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from router.loads import LoadTracker
+from router.metrics import RouterMetrics
+from router.model import Endpoint, EndpointState, EndpointView, RequestInfo, Snapshot, Telemetry
+from router.policies.base import Picker
+from router.policies.registry import PolicyRegistry
+from router.settings import PolicySpec, default_policy
+
+log = logging.getLogger("fleetroute.balancer")
+
+
+class Balancer:
+    def __init__(
+        self,
+        *,
+        policies: Iterable[PolicySpec],
+        registry: PolicyRegistry,
+        metrics: RouterMetrics,
+        loads: LoadTracker,
+        stale_after: float,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._policies = tuple(policies)
+        self._registry = registry
+        self._fallback = default_policy(registry)
+        self._metrics = metrics
+        self.loads = loads
+        self._stale_after = stale_after
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._endpoints: dict[str, Endpoint] = {}
+        self._telemetry: dict[str, Telemetry] = {}
+        self._states: dict[str, EndpointState] = {}
+        self._pool_state: dict[tuple[str, str], Any] = {}
+        self._pickers: dict[str, tuple[PolicySpec, Picker]] = {}
+        self._decision_children: dict[tuple[str, str], Any] = {}
+        self.snapshot = Snapshot.of(0, ())
+        self._models: frozenset[str] = frozenset()
+        self._rebuild_scheduled = False
+
+    # ---- inputs -------------------------------------------------------------------------------------
+
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        self._endpoints = {ep.id: ep for ep in endpoints}
+        for gone in set(self._telemetry) - set(self._endpoints):
+            del self._telemetry[gone]
+        self.schedule_rebuild()
+
+    def report_telemetry(self, endpoint_id: str, telemetry: Telemetry) -> None:
+        if endpoint_id in self._endpoints:
+            self._telemetry[endpoint_id] = telemetry
+
+    def set_state(self, endpoint_id: str, state: EndpointState) -> bool:
+        if endpoint_id not in self._endpoints:
+            return False
+        if self._states.get(endpoint_id, EndpointState.SERVING) is not state:
+            self._states[endpoint_id] = state
+            log.info("endpoint state changed", extra={"endpoint": endpoint_id, "state": state.value})
+            self.rebuild()  # an operator's drain takes effect before the admin call returns
+        return True
+
+    def endpoints(self) -> list[Endpoint]:
+        return list(self._endpoints.values())
+
+    # ---- rebuild ------------------------------------------------------------------------------------
+
+    def schedule_rebuild(self) -> None:
+        """Rebuild soon, once, however many updates arrive before then."""
+        if self._rebuild_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.rebuild()
+            return
+        self._rebuild_scheduled = True
+        loop.call_soon(self.rebuild)
+
+    def rebuild(self) -> None:
+        self._rebuild_scheduled = False
+        now = self._clock()
+        views = []
+        unknown = 0
+        for ep in self._endpoints.values():
+            telemetry = self._telemetry.get(ep.id)
+            if telemetry is not None:
+                age = now - telemetry.reported_at
+                self._metrics.telemetry_age.labels(ep.id).set(max(age, 0.0))
+                if age > self._stale_after:
+                    telemetry = None
+            if telemetry is None:
+                unknown += 1
+            views.append(
+                EndpointView(endpoint=ep, telemetry=telemetry, state=self._states.get(ep.id, EndpointState.SERVING))
+            )
+        snapshot = Snapshot.of(self.snapshot.version + 1, tuple(views))
+        pickers: dict[str, tuple[PolicySpec, Picker]] = {}
+        for model in snapshot.models():
+            spec = self.policy_for(model)
+            policy = self._registry.get(spec.strategy)
+            assert policy is not None, spec.strategy  # validated with the config
+            state_key = (spec.name, model)
+            if state_key not in self._pool_state:
+                self._pool_state[state_key] = policy.new_state()
+            events = self._metrics.policy_events.labels  # bound once per pool, not per event
+            picker = policy.build(
+                snapshot.serving(model),
+                spec.params,
+                self._pool_state[state_key],
+                self._rng,
+                lambda event, _name=spec.name, _events=events: _events(_name, event).inc(),
+            )
+            pickers[model] = (spec, picker)
+        self.snapshot = snapshot
+        self._pickers = pickers
+        self._models = frozenset(snapshot.models())
+        self._metrics.rebuilds.inc()
+        self._metrics.telemetry_unknown.set(unknown)
+        for state in EndpointState:
+            self._metrics.endpoints.labels(state.value).set(sum(1 for v in views if v.state is state))
+
+    # ---- request path ---------------------------------------------------------------------------------
+
+    def models(self) -> tuple[str, ...]:
+        return self.snapshot.models()
+
+    def serves(self, model: str) -> bool:
+        return model in self._models
+
+    def policy_for(self, model: str) -> PolicySpec:
+        """The first configured policy whose `models` patterns match; the built-in default otherwise."""
+        for spec in self._policies:
+            if spec.matches(model):
+                return spec
+        return self._fallback
+
+    def pick(self, req: RequestInfo, exclude: frozenset[str] = frozenset()) -> EndpointView | None:
+        entry = self._pickers.get(req.model)
+        if entry is None:
+            return None
+        spec, picker = entry
+        view = picker.pick(req, self.loads, exclude)
+        if view is not None:
+            key = (spec.name, view.id)
+            child = self._decision_children.get(key)
+            if child is None:
+                child = self._decision_children[key] = self._metrics.decisions.labels(spec.name, spec.strategy, view.id)
+            child.inc()
+        return view

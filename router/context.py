@@ -1,0 +1,38 @@
+"""The router's shared objects for one process, reachable from handlers through a typed app key.
+
+Built by `app.build_apps`; nothing here is module-level state, so tests can run many routers in one
+process, each with its own clock, random source and metrics registry.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from router.balancer import Balancer
+from router.loads import LoadTracker
+from router.metrics import RouterMetrics
+from router.policies.registry import PolicyRegistry
+from router.proxy import Proxy
+from router.settings import Settings
+
+
+@dataclass
+class RouterContext:
+    settings: Settings
+    metrics: RouterMetrics
+    loads: LoadTracker
+    balancer: Balancer
+    registry: PolicyRegistry
+    clock: Callable[[], float] = time.monotonic
+    rng: random.Random = field(default_factory=random.Random)
+    proxy: Proxy | None = None  # set once the upstream client session exists (app start-up)
+    started: bool = False
+    draining: bool = False
+
+
+CONTEXT = web.AppKey("fleetroute.context", RouterContext)

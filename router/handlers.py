@@ -1,0 +1,265 @@
+"""HTTP handlers: the OpenAI-compatible ingress (`/v1/*`) and the admin surface (`/metrics`, probes,
+`/admin/*`).
+
+One inference request: check the size, parse the JSON, check the model, pick an endpoint through the
+model's policy, forward and stream (`proxy`), then count and log it. A connection failure (the request
+never left) is retried on another endpoint, up to the policy's `retries.attempts`. Every error the
+router produces itself is in the OpenAI shape (`errors`), and every unexpected exception becomes a 500 in
+that shape plus a log line, never a stack trace to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+from router.context import CONTEXT, RouterContext
+from router.errors import error_response
+from router.model import EndpointState, RequestInfo
+from router.proxy import ENDPOINT_HEADER, Outcome, UpstreamUnreachable
+
+log = logging.getLogger("fleetroute.handlers")
+access_log = logging.getLogger("fleetroute.access")
+
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+def _reject(ctx: RouterContext, status: int, message: str, *, code: str, param: str | None = None,
+            headers: dict[str, str] | None = None) -> web.Response:
+    ctx.metrics.rejected.labels(code).inc()
+    return error_response(status, message, code=code, param=param, headers=headers)
+
+
+@dataclass
+class Served:
+    """What became of one inference request, filled in as it progresses (for metrics and the access log)."""
+
+    response: web.StreamResponse | None = None
+    model: str = ""
+    outcome: Outcome | None = None  # set once an endpoint answered
+    attempts: int = 0
+
+    @property
+    def status(self) -> int:
+        if self.outcome is not None:
+            return self.outcome.status
+        return self.response.status if self.response is not None else 499  # client closed first
+
+
+async def inference(request: web.Request) -> web.StreamResponse:
+    ctx = request.app[CONTEXT]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    served = Served()
+    try:
+        await _serve(request, ctx, request_id, started, served)
+        assert served.response is not None
+        return served.response
+    finally:
+        _record(ctx, request, request_id, served, loop.time() - started)
+
+
+def _record(ctx: RouterContext, request: web.Request, request_id: str, served: Served, duration: float) -> None:
+    outcome = served.outcome
+    endpoint = outcome.response.headers.get(ENDPOINT_HEADER, "") if outcome is not None else ""
+    status = served.status
+    ctx.metrics.requests.labels(served.model, endpoint, str(status)).inc()
+    if outcome is not None:
+        ctx.metrics.request_duration.labels(served.model, endpoint).observe(duration)
+        if outcome.ttfb is not None:
+            ctx.metrics.time_to_first_byte.labels(served.model, endpoint).observe(outcome.ttfb)
+    if ctx.settings.access_log:
+        access_log.info(
+            "request",
+            extra={
+                "request_id": request_id,
+                "method": request.method,
+                "path": request.path,
+                "model": served.model,
+                "endpoint": endpoint,
+                "status": status,
+                "attempts": served.attempts,
+                "ttfb_ms": round(outcome.ttfb * 1000, 3) if outcome and outcome.ttfb is not None else None,
+                "duration_ms": round(duration * 1000, 3),
+                "upstream_error": outcome.error if outcome else None,
+                "client": request.remote,
+            },
+        )
+
+
+async def _serve(request: web.Request, ctx: RouterContext, request_id: str, started: float, served: Served) -> None:
+    limit = ctx.settings.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        served.response = _too_large(ctx, limit)
+        return
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        served.response = _too_large(ctx, limit)
+        return
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        served.response = _reject(ctx, 400, f"request body is not valid JSON: {exc}", code="invalid_json")
+        return
+    if not isinstance(payload, dict):
+        served.response = _reject(ctx, 400, "request body must be a JSON object", code="invalid_json")
+        return
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        message = "you must provide a model parameter" if model is None else "model must be a non-empty string"
+        served.response = _reject(ctx, 400, message, code="missing_model", param="model")
+        return
+    served.model = model
+    balancer = ctx.balancer
+    if not balancer.serves(model):
+        available = ", ".join(balancer.models()) or "none"
+        served.response = _reject(
+            ctx, 404, f"The model `{model}` does not exist. Available models: {available}",
+            code="model_not_found", param="model",
+        )
+        return
+    info = RequestInfo(model=model, request_id=request_id, headers=request.headers, body=payload)
+    spec = balancer.policy_for(model)
+    tried: frozenset[str] = frozenset()
+    last_error = ""
+    while len(tried) < spec.retries.attempts:
+        view = balancer.pick(info, tried)
+        if view is None:
+            break
+        if tried:
+            ctx.metrics.retries.labels(model).inc()
+        served.attempts = len(tried) + 1
+        try:
+            served.outcome = await ctx.proxy.forward(
+                request, view, body, request_id=request_id, timeouts=spec.timeouts, started=started
+            )
+        except UpstreamUnreachable as exc:
+            tried |= {view.id}
+            last_error = f"{view.id}: {exc}"
+        served.response = served.outcome.response
+        return
+    if tried:
+        served.response = error_response(
+            502, f"could not connect to any endpoint for model `{model}` (last: {last_error})",
+            code="upstream_unreachable",
+        )
+        return
+    served.response = _reject(
+        ctx, 503, f"no healthy endpoint is serving model `{model}` right now", code="no_endpoint",
+        headers={"Retry-After": "1"},
+    )
+
+
+def _too_large(ctx: RouterContext, limit: int) -> web.Response:
+    return _reject(ctx, 413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "fleetroute"} for m in ctx.balancer.models()]
+    return web.json_response({"object": "list", "data": data}, dumps=lambda o: orjson.dumps(o).decode())
+
+
+@web.middleware
+async def openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Turn aiohttp's routing errors and any unexpected exception into OpenAI-shaped errors."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return _reject(
+            request.app[CONTEXT], 405, f"method {request.method} is not allowed on {request.path} (allowed: {allowed})",
+            code="method_not_allowed", headers={"Allow": allowed},
+        )
+    except web.HTTPNotFound:
+        return _reject(request.app[CONTEXT], 404, f"no such route: {request.method} {request.path}", code="not_found")
+    except web.HTTPException:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error", extra={"path": request.path})
+        return error_response(500, "internal router error; see the router log", code="internal_error")
+
+
+# ---- admin -------------------------------------------------------------------------------------------
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[CONTEXT].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    if ctx.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if not ctx.started:
+        return web.json_response({"status": "starting"}, status=503)
+    return web.json_response({"status": "ready", "endpoints": len(ctx.balancer.snapshot.views)})
+
+
+async def list_endpoints(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    now = ctx.clock()
+    out = []
+    for view in ctx.balancer.snapshot.views:
+        t = view.telemetry
+        out.append(
+            {
+                "id": view.id,
+                "url": view.endpoint.url,
+                "models": list(view.endpoint.models),
+                "state": view.state.value,
+                "in_flight": ctx.loads.in_flight(view.id),
+                "telemetry": None if t is None else {
+                    "source": t.source,
+                    "age_s": round(now - t.reported_at, 3),
+                    "gpu_util": t.gpu_util,
+                    "mem_util": t.mem_util,
+                    "queue_depth": t.queue_depth,
+                    "running": t.running,
+                },
+            }
+        )
+    return web.json_response({"endpoints": out, "snapshot_version": ctx.balancer.snapshot.version})
+
+
+def _set_state(state: EndpointState) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        ctx = request.app[CONTEXT]
+        endpoint_id = request.match_info["id"]
+        if not ctx.balancer.set_state(endpoint_id, state):
+            return error_response(404, f"unknown endpoint {endpoint_id!r}", code="endpoint_not_found")
+        return web.json_response({"id": endpoint_id, "state": state.value})
+
+    return handler
+
+
+def add_ingress_routes(app: web.Application) -> None:
+    for path in INFERENCE_PATHS:
+        app.router.add_post(path, inference)
+    app.router.add_get("/v1/models", list_models)
+
+
+def add_admin_routes(app: web.Application) -> None:
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/admin/endpoints", list_endpoints)
+    app.router.add_post("/admin/endpoints/{id}/drain", _set_state(EndpointState.DRAINING))
+    app.router.add_post("/admin/endpoints/{id}/resume", _set_state(EndpointState.SERVING))

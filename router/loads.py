@@ -1,0 +1,37 @@
+"""Router-local live load: requests in flight per endpoint.
+
+A request counts from the moment it is sent until its response *body* ends (or fails), not when the
+headers arrive: a streaming completion is load on the engine until its last token (tower's
+`TrackCompletion`). Only the event loop touches these counts, so they need no lock.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from router.metrics import RouterMetrics
+
+
+class LoadTracker:
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._counts: defaultdict[str, int] = defaultdict(int)
+        self._gauge = metrics.in_flight
+
+    def in_flight(self, endpoint_id: str) -> int:
+        return self._counts.get(endpoint_id, 0)
+
+    def total(self) -> int:
+        return sum(self._counts.values())
+
+    @contextmanager
+    def track(self, endpoint_id: str) -> Iterator[None]:
+        self._counts[endpoint_id] += 1
+        gauge = self._gauge.labels(endpoint_id)
+        gauge.inc()
+        try:
+            yield
+        finally:
+            self._counts[endpoint_id] -= 1
+            gauge.dec()

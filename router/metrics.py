@@ -1,0 +1,126 @@
+"""Every Prometheus collector the router exports, in one place, with a description each.
+
+Collectors live in a per-application `CollectorRegistry` (no module-level state: tests build many routers
+in one process). In multi-process mode (`workers > 1`) prometheus-client writes every value to files in
+`PROMETHEUS_MULTIPROC_DIR` and the admin endpoint aggregates all processes (`render`); gauges declare how
+they are merged across processes.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+# Time to first byte spans a cached short answer (ms) to a long queue (minutes).
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "fleetroute_requests",
+            "Requests answered, by model, serving endpoint ('' when none was chosen) and HTTP status.",
+            ["model", "endpoint", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "fleetroute_request_duration_seconds",
+            "Time from receiving a proxied request to the end of its response body.",
+            ["model", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_byte = Histogram(
+            "fleetroute_time_to_first_byte_seconds",
+            "Time from receiving a proxied request to the first body byte from the endpoint "
+            "(for streams: time to first token).",
+            ["model", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "fleetroute_endpoint_in_flight_requests",
+            "Requests this router has sent to an endpoint whose response body has not ended.",
+            ["endpoint"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.decisions = Counter(
+            "fleetroute_policy_decisions",
+            "Endpoints chosen by routing policies, by policy name, strategy and endpoint.",
+            ["policy", "strategy", "endpoint"],
+            registry=r,
+        )
+        self.policy_events = Counter(
+            "fleetroute_policy_events",
+            "Noteworthy policy decisions: hash_key_missing (consistent-hash fell back to least-connections), "
+            "telemetry_unknown (adaptive picked an endpoint without fresh telemetry).",
+            ["policy", "event"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "fleetroute_upstream_errors",
+            "Failures talking to endpoints, by kind: connect, timeout (before the first byte), "
+            "idle_timeout (a stream stalled), disconnect (endpoint closed mid-response), client_disconnect.",
+            ["endpoint", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "fleetroute_retries",
+            "Requests retried on another endpoint after a failure that proves the first never received them.",
+            ["model"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "fleetroute_rejected_requests",
+            "Requests refused by the router itself, by reason (invalid_json, missing_model, "
+            "model_not_found, body_too_large, method_not_allowed, not_found, no_endpoint).",
+            ["reason"],
+            registry=r,
+        )
+        self.endpoints = Gauge(
+            "fleetroute_endpoints",
+            "Endpoints known to the router, by state (serving, draining).",
+            ["state"],
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.telemetry_age = Gauge(
+            "fleetroute_telemetry_age_seconds",
+            "Age of the newest load report per endpoint when the routing snapshot was built.",
+            ["endpoint"],
+            multiprocess_mode="min",
+            registry=r,
+        )
+        self.telemetry_unknown = Gauge(
+            "fleetroute_telemetry_unknown_endpoints",
+            "Endpoints whose load telemetry is missing or stale (policies give them a neutral score).",
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.scrape_errors = Counter(
+            "fleetroute_engine_scrape_errors",
+            "Failed scrapes of an endpoint's /metrics.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.rebuilds = Counter(
+            "fleetroute_snapshot_rebuilds",
+            "Routing snapshots (and pickers) rebuilt after endpoint, state or telemetry changes.",
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        """The exposition text: this process's registry, or every worker process's in multi-process mode."""
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if directory:
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged, path=directory)
+            return generate_latest(merged)
+        return generate_latest(self.registry)

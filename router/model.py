@@ -1,0 +1,95 @@
+"""Pure routing data: what discovery, telemetry and health know about endpoints, frozen.
+
+Discovery says *who exists* (`Endpoint`), telemetry says *how busy they are* (`Telemetry`), health says
+*whether to use them* (`EndpointView.state`). They meet in an immutable `Snapshot` from which every
+policy builds its picker (grpc-go `balancer.Picker`, Finagle's distributor): nothing here changes on the
+request path, so a pick never needs a lock and never awaits.
+
+This module imports no I/O library (enforced by import-linter).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One inference engine (a vLLM pod): identity from discovery."""
+
+    id: str
+    url: str
+    models: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """One load report about an endpoint. `None` means the source does not know that signal.
+
+    Fractions are in [0, 1]; queue depth is a request count. `reported_at` is on the router's monotonic
+    clock so its age can be judged without trusting wall clocks across machines.
+    """
+
+    reported_at: float
+    gpu_util: float | None = None
+    mem_util: float | None = None
+    queue_depth: float | None = None
+    running: float | None = None
+    source: str = "engine-metrics"
+
+
+class EndpointState(enum.Enum):
+    """Whether new requests may go to an endpoint."""
+
+    SERVING = "serving"
+    DRAINING = "draining"  # an operator took it out of rotation; in-flight requests finish
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointView:
+    """An endpoint as the pickers see it: identity, fresh-enough telemetry (or None) and state."""
+
+    endpoint: Endpoint
+    telemetry: Telemetry | None = None
+    state: EndpointState = EndpointState.SERVING
+    # Multiplier in (0, 1] for gradual ramp-up (slow start); 1.0 is full weight.
+    weight_factor: float = 1.0
+
+    @property
+    def id(self) -> str:
+        return self.endpoint.id
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """An immutable view of the fleet at one moment. `version` grows with every rebuild."""
+
+    version: int
+    views: tuple[EndpointView, ...]
+    by_id: Mapping[str, EndpointView] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, version: int, views: tuple[EndpointView, ...]) -> Snapshot:
+        return cls(version=version, views=views, by_id={v.id: v for v in views})
+
+    def serving(self, model: str) -> tuple[EndpointView, ...]:
+        """Endpoints that serve `model` and accept new requests."""
+        return tuple(
+            v for v in self.views if model in v.endpoint.models and v.state is EndpointState.SERVING
+        )
+
+    def models(self) -> tuple[str, ...]:
+        return tuple(sorted({m for v in self.views for m in v.endpoint.models}))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What a policy may know about one request. `headers` keys are lower-case."""
+
+    model: str
+    request_id: str
+    headers: Mapping[str, str]
+    body: Mapping[str, Any]

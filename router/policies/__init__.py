@@ -1,0 +1,1 @@
+"""Routing policies: one module each, registered by name in `registry.BUILTIN`."""

@@ -1,0 +1,135 @@
+"""consistent-hash: requests with the same key go to the same endpoint while membership is stable.
+
+Intent: affinity. A session, user or tenant keeps hitting one engine, so its KV/prefix cache stays warm;
+when an endpoint joins or leaves only ~1/n of the keys move (ketama ring from `uhashring`, 160 virtual
+nodes per endpoint).
+
+The key comes from a configurable source: `header:<name>` (e.g. `header:x-session-id`) or
+`body:<field>` (e.g. `body:user`; dots walk nested objects, `body:metadata.tenant`). A request without
+the key has no affinity to preserve, so it falls back to least-connections (counted as the
+`hash_key_missing` policy event). When the key's endpoint is excluded (it just failed) the ring is walked
+to the next endpoint, which is where the key would move if that endpoint left.
+
+The ring is built once per membership and kept in the pool state: telemetry-only rebuilds reuse it
+(the vLLM production-stack router rebuilt its ring per request; we do not).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from uhashring import HashRing
+
+from router.model import EndpointView, RequestInfo
+from router.policies.base import EventSink, LoadView, PolicyConfigError, least_loaded, reject_unknown
+
+KEY_SOURCES = ("header", "body")
+
+
+@dataclass(frozen=True)
+class HashKey:
+    source: str  # "header" | "body"
+    name: str  # header name (lower-case) or dotted body path
+
+    def extract(self, req: RequestInfo) -> str | None:
+        if self.source == "header":
+            value = req.headers.get(self.name)
+            return value or None
+        node: Any = req.body
+        for part in self.name.split("."):
+            if not isinstance(node, Mapping):
+                return None
+            node = node.get(part)
+        if node is None or isinstance(node, (dict, list)) or node == "":
+            return None
+        return str(node)
+
+
+@dataclass(frozen=True)
+class ConsistentHashConfig:
+    key: HashKey
+
+
+def parse_key(raw: Any) -> HashKey:
+    if not isinstance(raw, str) or ":" not in raw:
+        raise PolicyConfigError("key", f"must look like 'header:<name>' or 'body:<field>', got {raw!r}")
+    source, _, name = raw.partition(":")
+    if source not in KEY_SOURCES or not name.strip():
+        raise PolicyConfigError("key", f"must look like 'header:<name>' or 'body:<field>', got {raw!r}")
+    name = name.strip()
+    return HashKey(source, name.lower() if source == "header" else name)
+
+
+class RingState:
+    """The ring and the membership it was built for."""
+
+    __slots__ = ("members", "ring")
+
+    def __init__(self) -> None:
+        self.members: tuple[str, ...] = ()
+        self.ring: HashRing | None = None
+
+    def ring_for(self, members: tuple[str, ...]) -> HashRing | None:
+        if members != self.members or self.ring is None:
+            self.members = members
+            self.ring = HashRing(nodes=list(members)) if members else None
+        return self.ring
+
+
+class ConsistentHashPicker:
+    __slots__ = ("_views", "_by_id", "_ring", "_key", "_rng", "_events")
+
+    def __init__(
+        self,
+        views: tuple[EndpointView, ...],
+        ring: HashRing | None,
+        key: HashKey,
+        rng: random.Random,
+        events: EventSink,
+    ) -> None:
+        self._views = views
+        self._by_id = {v.id: v for v in views}
+        self._ring = ring
+        self._key = key
+        self._rng = rng
+        self._events = events
+
+    def pick(self, req: RequestInfo, loads: LoadView, exclude: frozenset[str]) -> EndpointView | None:
+        key = self._key.extract(req)
+        if key is None or self._ring is None:
+            if key is None:
+                self._events("hash_key_missing")
+            return least_loaded(self._views, loads, exclude, self._rng)
+        node = self._ring.get_node(key)
+        if node not in exclude:
+            return self._by_id[node]
+        for node in self._ring.range(key, unique=True):
+            if node not in exclude:
+                return self._by_id[node]
+        return None
+
+
+class ConsistentHashPolicy:
+    name = "consistent-hash"
+    config_key = "consistentHash"
+
+    def parse(self, params: Mapping[str, Any]) -> ConsistentHashConfig:
+        reject_unknown(params, {"key"})
+        return ConsistentHashConfig(key=parse_key(params.get("key", "header:x-session-id")))
+
+    def new_state(self) -> RingState:
+        return RingState()
+
+    def build(
+        self,
+        views: tuple[EndpointView, ...],
+        config: ConsistentHashConfig,
+        state: RingState,
+        rng: random.Random,
+        events: EventSink,
+    ) -> ConsistentHashPicker:
+        members = tuple(sorted(v.id for v in views))
+        return ConsistentHashPicker(views, state.ring_for(members), config.key, rng, events)

@@ -1,0 +1,74 @@
+"""round-robin: each request goes to the next serving endpoint in turn.
+
+Intent: even distribution of *requests*, blind to their cost and to endpoint load. Good for homogeneous
+fleets with uniform requests; poor when GPUs or requests differ (capacity ~ n * slowest replica).
+
+The cursor lives in the pool state so it survives picker rebuilds (telemetry refreshes rebuild pickers
+often; restarting the rotation each time would favour the first endpoints). Each pool starts at a random
+offset so that many router replicas do not march in lock-step over the same endpoints.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.model import EndpointView, RequestInfo
+from router.policies.base import EventSink, LoadView, reject_unknown
+
+
+@dataclass(frozen=True)
+class RoundRobinConfig:
+    pass
+
+
+class RoundRobinState:
+    __slots__ = ("cursor",)
+
+    def __init__(self) -> None:
+        self.cursor: int | None = None
+
+
+class RoundRobinPicker:
+    __slots__ = ("_views", "_state")
+
+    def __init__(self, views: tuple[EndpointView, ...], state: RoundRobinState) -> None:
+        self._views = views
+        self._state = state
+
+    def pick(self, req: RequestInfo, loads: LoadView, exclude: frozenset[str]) -> EndpointView | None:
+        views = self._views
+        n = len(views)
+        for _ in range(n):
+            index = self._state.cursor % n
+            self._state.cursor = index + 1
+            view = views[index]
+            if view.id not in exclude:
+                return view
+        return None
+
+
+class RoundRobinPolicy:
+    name = "round-robin"
+    config_key = "roundRobin"
+
+    def parse(self, params: Mapping[str, Any]) -> RoundRobinConfig:
+        reject_unknown(params, set())
+        return RoundRobinConfig()
+
+    def new_state(self) -> RoundRobinState:
+        return RoundRobinState()
+
+    def build(
+        self,
+        views: tuple[EndpointView, ...],
+        config: RoundRobinConfig,
+        state: RoundRobinState,
+        rng: random.Random,
+        events: EventSink,
+    ) -> RoundRobinPicker:
+        if state.cursor is None:
+            state.cursor = rng.randrange(max(len(views), 1))
+        return RoundRobinPicker(views, state)

@@ -1,0 +1,45 @@
+"""Scorers for the adaptive policy: each maps one signal of one endpoint to a score in [0, 1] (1 = idle).
+
+Scores are clamped in one place (`clamp`) and weighted by configuration (GIE endpoint-picker scorer
+contract). A scorer returns None when it does not know the signal (no or stale telemetry); the adaptive
+policy then gives that endpoint the mean of the known scores, a neutral value that neither attracts nor
+repels traffic (grpc-go weighted round robin treats stale load reports the same way).
+"""
+
+from __future__ import annotations
+
+from router.model import EndpointView
+
+
+def clamp(value: float) -> float:
+    return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
+
+
+def gpu_idle(view: EndpointView) -> float | None:
+    """1 - GPU utilisation."""
+    t = view.telemetry
+    if t is None or t.gpu_util is None:
+        return None
+    return clamp(1.0 - t.gpu_util)
+
+
+def memory_free(view: EndpointView) -> float | None:
+    """1 - memory utilisation (for an LLM engine: the KV-cache usage, since vLLM pre-allocates GPU memory)."""
+    t = view.telemetry
+    if t is None or t.mem_util is None:
+        return None
+    return clamp(1.0 - t.mem_util)
+
+
+def queue_free(reported_queue: float, in_flight: int, max_queue: int) -> float:
+    """1 - queue/max_queue, where queue = what the engine last reported waiting + what this router has in
+    flight there. The local count is fresh while the report lags by up to one telemetry interval, so
+    requests this router just sent lower the score at once (the correction rule 6 of STYLE.md asks for)."""
+    return clamp(1.0 - (reported_queue + in_flight) / max_queue)
+
+
+def neutral_fill(scores: dict[str, float | None]) -> dict[str, float]:
+    """Replace unknown scores by the mean of the known ones (0.5 when none is known)."""
+    known = [s for s in scores.values() if s is not None]
+    fill = sum(known) / len(known) if known else 0.5
+    return {k: (fill if s is None else s) for k, s in scores.items()}

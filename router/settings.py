@@ -1,0 +1,356 @@
+"""Router configuration: one YAML file -> frozen dataclasses, validated before anything starts.
+
+Every error names the field by its path in the file and the offending value
+(`policies[0].adaptive.weights.gpu: must be a number, got 'high'`), so an operator can fix a config without
+reading code. Unknown fields are errors too: a misspelt option must never silently fall back to a default.
+
+Durations are numbers of seconds or strings with a unit (`500ms`, `2s`, `1m`). Environment variables
+`FLEETROUTE_LISTEN_HOST`, `FLEETROUTE_LISTEN_PORT`, `FLEETROUTE_ADMIN_HOST`, `FLEETROUTE_ADMIN_PORT`
+override the listen and admin addresses (handy in containers).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from router.model import Endpoint
+from router.policies.base import PolicyConfigError
+from router.policies.registry import PolicyRegistry
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+ENDPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+POLICY_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a Kubernetes object name, for the CRD
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+class ConfigError(ValueError):
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+
+
+@dataclass(frozen=True)
+class Address:
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 5.0
+    # Until the upstream's response headers. vLLM sends a non-streaming response's headers only when the
+    # whole completion is done, so this bounds the longest generation, not just queueing.
+    first_byte: float = 300.0
+    # Longest silence between two chunks of a response body (a stalled stream).
+    idle: float = 60.0
+
+
+@dataclass(frozen=True)
+class Retries:
+    # Total tries per request. Only failures that prove the request never reached an engine (connection
+    # refused / reset before sending) are retried, on another endpoint: it is always safe.
+    attempts: int = 2
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    models: tuple[str, ...]
+    strategy: str
+    params: Any  # the strategy's frozen config, parsed by the strategy itself
+    timeouts: Timeouts = Timeouts()
+    retries: Retries = Retries()
+
+    def matches(self, model: str) -> bool:
+        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+
+@dataclass(frozen=True)
+class EngineMetricsSettings:
+    """Scraping each endpoint's own Prometheus `/metrics` (vLLM) for load telemetry."""
+
+    enabled: bool = True
+    interval: float = 1.0
+    timeout: float = 0.5
+    # A report older than this is "unknown" to the policies (neutral score), never trusted as current.
+    stale_after: float = 5.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    listen: Address = Address("0.0.0.0", 8080)
+    admin: Address = Address("127.0.0.1", 9090)
+    endpoints: tuple[Endpoint, ...] = ()
+    policies: tuple[PolicySpec, ...] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    engine_metrics: EngineMetricsSettings = EngineMetricsSettings()
+    log_level: str = "info"
+    access_log: bool = True
+    workers: int = 1
+    # Seconds to let in-flight requests finish on shutdown.
+    shutdown_grace: float = 30.0
+
+
+class _Fields:
+    """Reads one mapping of the config, tracking which keys were used so the rest can be reported."""
+
+    def __init__(self, raw: Any, path: str) -> None:
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(path or "(top level)", f"must be a mapping, got {_show(raw)}")
+        self.raw = raw
+        self.path = path
+        self.used: set[str] = set()
+
+    def at(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.used.add(key)
+        return self.raw.get(key, default)
+
+    def has(self, key: str) -> bool:
+        return key in self.raw
+
+    def string(self, key: str, default: str | None = None) -> str:
+        value = self.get(key, default)
+        if not isinstance(value, str) or not value.strip():
+            missing = key not in self.raw
+            raise ConfigError(self.at(key), "is required" if missing else f"must be a non-empty string, got {_show(value)}")
+        return value.strip()
+
+    def integer(self, key: str, default: int, *, minimum: int, maximum: int | None = None) -> int:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(self.at(key), f"must be an integer, got {_show(value)}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+            raise ConfigError(self.at(key), f"must be {bound}, got {value}")
+        return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(self.at(key), f"must be true or false, got {_show(value)}")
+        return value
+
+    def duration(self, key: str, default: float) -> float:
+        value = self.get(key, default)
+        seconds = parse_duration(value)
+        if seconds is None or seconds <= 0:
+            raise ConfigError(self.at(key), f"must be a positive duration like 2s, 500ms or 1.5, got {_show(value)}")
+        return seconds
+
+    def choice(self, key: str, default: str, options: tuple[str, ...] | list[str]) -> str:
+        value = self.get(key, default)
+        if value not in options:
+            raise ConfigError(self.at(key), f"must be one of {', '.join(options)}; got {_show(value)}")
+        return value
+
+    def sub(self, key: str) -> _Fields:
+        return _Fields(self.get(key), self.at(key))
+
+    def items(self, key: str) -> list[tuple[str, Any]]:
+        value = self.get(key, [])
+        if value is None:
+            value = []
+        if not isinstance(value, list):
+            raise ConfigError(self.at(key), f"must be a list, got {_show(value)}")
+        return [(f"{self.at(key)}[{i}]", item) for i, item in enumerate(value)]
+
+    def done(self) -> None:
+        unknown = [k for k in self.raw if k not in self.used]
+        if unknown:
+            known = ", ".join(sorted(self.used))
+            raise ConfigError(self.at(str(unknown[0])), f"unknown field (expected one of: {known})")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_duration(value: Any) -> float | None:
+    """Seconds from `2`, `0.5`, `"500ms"`, `"2s"`, `"1m"`; None if not a duration."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match:
+            return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    return None
+
+
+def _address(fields: _Fields, key: str, default: Address, env_prefix: str) -> Address:
+    sub = fields.sub(key)
+    host = sub.string("host", default.host)
+    port = sub.integer("port", default.port, minimum=0, maximum=65535)
+    sub.done()
+    env_host = os.environ.get(f"{env_prefix}_HOST")
+    env_port = os.environ.get(f"{env_prefix}_PORT")
+    if env_host:
+        host = env_host
+    if env_port:
+        if not env_port.isdigit() or int(env_port) > 65535:
+            raise ConfigError(f"${env_prefix}_PORT", f"must be a port number, got {env_port!r}")
+        port = int(env_port)
+    return Address(host, port)
+
+
+def _endpoint(path: str, raw: Any) -> Endpoint:
+    f = _Fields(raw, path)
+    endpoint_id = f.string("id")
+    if not ENDPOINT_ID.match(endpoint_id):
+        raise ConfigError(f.at("id"), f"must be letters, digits, '.', '_', ':' or '-', got {endpoint_id!r}")
+    url = f.string("url").rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f.at("url"), f"must be an http:// or https:// URL with a host, got {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise ConfigError(f.at("url"), f"has an invalid port: {url!r}") from None
+    models = f.get("models")
+    if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
+        raise ConfigError(f.at("models"), f"must be a non-empty list of model names, got {_show(models)}")
+    f.done()
+    return Endpoint(id=endpoint_id, url=url, models=tuple(dict.fromkeys(models)))
+
+
+def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
+    f = _Fields(raw, path)
+    name = f.string("name")
+    if not POLICY_NAME.match(name):
+        raise ConfigError(f.at("name"), f"must be a lower-case DNS label (a-z, 0-9, '-'), got {name!r}")
+    models = f.get("models", ["*"])
+    if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
+        raise ConfigError(f.at("models"), f"must be a non-empty list of model names or patterns, got {_show(models)}")
+    strategy_name = f.choice("strategy", "adaptive", registry.names())
+    params = None
+    # Every strategy block present is validated (a typo in an unused block is still a typo), but only
+    # the selected strategy's config is kept.
+    for policy in registry.all():
+        if not f.has(policy.config_key):
+            if policy.name == strategy_name:
+                params = policy.parse({})
+            continue
+        block = f.get(policy.config_key)
+        if block is None:
+            block = {}
+        if not isinstance(block, Mapping):
+            raise ConfigError(f.at(policy.config_key), f"must be a mapping, got {_show(block)}")
+        try:
+            parsed = policy.parse(block)
+        except PolicyConfigError as exc:
+            raise ConfigError(f"{f.at(policy.config_key)}.{exc.field}" if exc.field else f.at(policy.config_key), exc.message) from None
+        if policy.name == strategy_name:
+            params = parsed
+    t = f.sub("timeouts")
+    timeouts = Timeouts(
+        connect=t.duration("connect", Timeouts.connect),
+        first_byte=t.duration("firstByte", Timeouts.first_byte),
+        idle=t.duration("idle", Timeouts.idle),
+    )
+    t.done()
+    r = f.sub("retries")
+    retries = Retries(attempts=r.integer("attempts", Retries.attempts, minimum=1, maximum=10))
+    r.done()
+    f.done()
+    return PolicySpec(
+        name=name,
+        models=tuple(models),
+        strategy=strategy_name,
+        params=params,
+        timeouts=timeouts,
+        retries=retries,
+    )
+
+
+def default_policy(registry: PolicyRegistry) -> PolicySpec:
+    """Used for models no configured policy matches."""
+    adaptive = registry.get("adaptive")
+    assert adaptive is not None
+    return PolicySpec(name="default", models=("*",), strategy="adaptive", params=adaptive.parse({}))
+
+
+def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings:
+    registry = registry or PolicyRegistry()
+    top = _Fields(raw, "")
+    listen = _address(top, "listen", Settings.listen, "FLEETROUTE_LISTEN")
+    admin = _address(top, "admin", Settings.admin, "FLEETROUTE_ADMIN")
+    endpoints = tuple(_endpoint(path, item) for path, item in top.items("endpoints"))
+    seen: set[str] = set()
+    for i, ep in enumerate(endpoints):
+        if ep.id in seen:
+            raise ConfigError(f"endpoints[{i}].id", f"duplicate endpoint id {ep.id!r}")
+        seen.add(ep.id)
+    policies = tuple(_policy(path, item, registry) for path, item in top.items("policies"))
+    names: set[str] = set()
+    for i, pol in enumerate(policies):
+        if pol.name in names:
+            raise ConfigError(f"policies[{i}].name", f"duplicate policy name {pol.name!r}")
+        names.add(pol.name)
+    limits = top.sub("limits")
+    max_body = limits.integer("maxBodyBytes", DEFAULT_MAX_BODY_BYTES, minimum=1024)
+    limits.done()
+    tel = top.sub("telemetry")
+    em = tel.sub("engineMetrics")
+    engine_metrics = EngineMetricsSettings(
+        enabled=em.boolean("enabled", True),
+        interval=em.duration("interval", EngineMetricsSettings.interval),
+        timeout=em.duration("timeout", EngineMetricsSettings.timeout),
+        stale_after=em.duration("staleAfter", EngineMetricsSettings.stale_after),
+    )
+    em.done()
+    tel.done()
+    log = top.sub("logging")
+    log_level = log.choice("level", "info", LOG_LEVELS)
+    access_log = log.boolean("accessLog", True)
+    log.done()
+    workers = top.integer("workers", 1, minimum=1, maximum=256)
+    shutdown_grace = top.duration("shutdownGrace", Settings.shutdown_grace)
+    top.done()
+    return Settings(
+        listen=listen,
+        admin=admin,
+        endpoints=endpoints,
+        policies=policies,
+        max_body_bytes=max_body,
+        engine_metrics=engine_metrics,
+        log_level=log_level,
+        access_log=access_log,
+        workers=workers,
+        shutdown_grace=shutdown_grace,
+    )
+
+
+def load_settings(path: str, registry: PolicyRegistry | None = None) -> Settings:
+    """Read and validate a YAML config file. Raises ConfigError with a precise message."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(path, "config file not found") from None
+    except OSError as exc:
+        raise ConfigError(path, f"cannot read config file: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(path, f"invalid YAML{where}: {problem}") from None
+    return parse_settings(raw, registry)

@@ -1,0 +1,65 @@
+"""Shared fixtures: fake engines and routers on 127.0.0.1 free ports, shut down after each test."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.app import RunningRouter, build_context, start_router
+from router.settings import parse_settings
+from tests.fake_engine import FakeEngine
+
+MODEL = "llama-3-8b"
+
+
+@pytest.fixture
+async def make_engine() -> AsyncIterator[Callable[..., Awaitable[FakeEngine]]]:
+    started: list[FakeEngine] = []
+
+    async def make(name: str, models: tuple[str, ...] = (MODEL,), **kwargs: Any) -> FakeEngine:
+        engine = await FakeEngine(name=name, models=models, **kwargs).start()
+        started.append(engine)
+        return engine
+
+    yield make
+    for engine in started:
+        await engine.stop()
+
+
+def router_config(engines: list[FakeEngine], **overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "admin": {"host": "127.0.0.1", "port": 0},
+        "endpoints": [{"id": e.name, "url": e.url, "models": list(e.models)} for e in engines],
+        "policies": [{"name": "default", "models": ["*"], "strategy": "least-connections"}],
+        "telemetry": {"engineMetrics": {"enabled": False}},
+        "logging": {"accessLog": True},
+        "shutdownGrace": 1,
+    }
+    config.update(overrides)
+    return config
+
+
+@pytest.fixture
+async def make_router() -> AsyncIterator[Callable[..., Awaitable[RunningRouter]]]:
+    started: list[RunningRouter] = []
+
+    async def make(engines: list[FakeEngine], *, seed: int = 7, **overrides: Any) -> RunningRouter:
+        settings = parse_settings(router_config(engines, **overrides))
+        running = await start_router(build_context(settings, rng=random.Random(seed)))
+        started.append(running)
+        return running
+
+    yield make
+    for running in started:
+        await running.close()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session

@@ -1,0 +1,159 @@
+"""A fake OpenAI-compatible inference engine for tests, speaking vLLM's wire protocol.
+
+It answers `/v1/chat/completions`, `/v1/completions` and `/v1/embeddings` (streaming as SSE with one
+`data:` event per token and a final `data: [DONE]`, like vLLM), `/v1/models`, `/health` and a `/metrics`
+page with vLLM's gauge names. Tests steer it through attributes: the load it reports, a status to fail
+with, a gate that holds a stream after its first token (to prove the router does not buffer), a hang
+before headers (timeouts), and it records every request and whether a stream's client went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+
+@dataclass
+class EngineLoad:
+    waiting: float = 0
+    running: float = 0
+    kv_usage: float = 0.0
+    legacy_names: bool = False  # report vllm:gpu_cache_usage_perc (vLLM v0) instead of kv_cache_usage_perc
+
+
+@dataclass
+class FakeEngine:
+    name: str
+    models: tuple[str, ...] = ("llama-3-8b",)
+    load: EngineLoad = field(default_factory=EngineLoad)
+    fail_status: int | None = None  # answer every inference request with this status
+    hang: asyncio.Event | None = None  # if set, wait for it before answering (headers included)
+    gate: asyncio.Event | None = None  # if set, a stream waits for it after its first token
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    stream_aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    first_token_sent: asyncio.Event = field(default_factory=asyncio.Event)
+    runner: web.AppRunner | None = None
+    url: str = ""
+
+    async def start(self) -> FakeEngine:
+        app = web.Application()
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+            app.router.add_post(path, self._inference)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    # ---- handlers -----------------------------------------------------------------------------------
+
+    async def _inference(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append({"path": request.path, "headers": dict(request.headers), "body": body})
+        if self.hang is not None:
+            await self.hang.wait()
+        if self.fail_status is not None:
+            return web.json_response(
+                {"error": {"message": f"{self.name} failing", "type": "server_error", "code": None}},
+                status=self.fail_status,
+            )
+        if body.get("model") not in self.models:
+            return web.json_response({"error": {"message": "model not served here"}}, status=404)
+        if request.path == "/v1/embeddings":
+            return web.json_response(
+                {"object": "list", "model": body["model"],
+                 "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3]}],
+                 "usage": {"prompt_tokens": 3, "total_tokens": 3}}
+            )
+        tokens = [f"tok{i} " for i in range(int(body.get("max_tokens") or 4))]
+        chat = request.path == "/v1/chat/completions"
+        if body.get("stream"):
+            return await self._stream(request, body, tokens, chat)
+        text = "".join(tokens)
+        choice: dict[str, Any] = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            if chat else {"index": 0, "text": text, "finish_reason": "length"}
+        )
+        return web.json_response(
+            {
+                "id": f"cmpl-{self.name}-{len(self.requests)}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": body["model"],
+                "choices": [choice],
+                "usage": {"prompt_tokens": 5, "completion_tokens": len(tokens), "total_tokens": 5 + len(tokens)},
+            },
+            headers={"x-served-by": self.name},
+        )
+
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], tokens: list[str], chat: bool
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-served-by": self.name})
+        await resp.prepare(request)
+        try:
+            for i, tok in enumerate(tokens):
+                delta: dict[str, Any] = (
+                    {"index": 0, "delta": {"role": "assistant", "content": tok} if i == 0 else {"content": tok},
+                     "finish_reason": None}
+                    if chat else {"index": 0, "text": tok, "finish_reason": None}
+                )
+                chunk = {
+                    "id": f"cmpl-{self.name}",
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": int(time.time()),
+                    "model": body["model"],
+                    "choices": [delta],
+                }
+                await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                if i == 0:
+                    self.first_token_sent.set()
+                    if self.gate is not None:
+                        await self.gate.wait()
+            final = {"id": f"cmpl-{self.name}", "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": body["model"],
+                     "choices": [{"index": 0, "delta": {}, "finish_reason": "length"} if chat
+                                 else {"index": 0, "text": "", "finish_reason": "length"}]}
+            await resp.write(b"data: " + orjson.dumps(final) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.stream_aborted.set()
+            raise
+        return resp
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        kv_name = "vllm:gpu_cache_usage_perc" if self.load.legacy_names else "vllm:kv_cache_usage_perc"
+        lines = []
+        for name, kind, value in (
+            ("vllm:num_requests_running", "gauge", self.load.running),
+            ("vllm:num_requests_waiting", "gauge", self.load.waiting),
+            (kv_name, "gauge", self.load.kv_usage),
+        ):
+            lines += [f"# HELP {name} fake", f"# TYPE {name} {kind}",
+                      f'{name}{{engine="0",model_name="{self.models[0]}"}} {value}']
+        lines += ["# HELP vllm:time_to_first_token_seconds fake", "# TYPE vllm:time_to_first_token_seconds histogram",
+                  'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 3',
+                  'vllm:time_to_first_token_seconds_count{model_name="m"} 3',
+                  'vllm:time_to_first_token_seconds_sum{model_name="m"} 0.3']
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
