@@ -98,7 +98,9 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
 async def _telemetry_loop(scraper: EngineMetricsScraper, ctx: RouterContext) -> None:
     while True:
         await scraper.scrape_all()
-        ctx.balancer.schedule_rebuild()  # once per round: also ages out endpoints that stopped reporting
+        ctx.balancer.rebuild()  # once per round: also ages out endpoints that stopped reporting
+        done, ctx.telemetry_round = ctx.telemetry_round, asyncio.Event()
+        done.set()
         await asyncio.sleep(ctx.settings.engine_metrics.interval)
 
 

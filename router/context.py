@@ -6,6 +6,7 @@ process, each with its own clock, random source and metrics registry.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import Callable
@@ -31,6 +32,9 @@ class RouterContext:
     clock: Callable[[], float] = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
     proxy: Proxy | None = None  # set once the upstream client session exists (app start-up)
+    # Set (and replaced) after each telemetry round has been applied: lets tests and tools wait for fresh
+    # telemetry instead of sleeping.
+    telemetry_round: asyncio.Event = field(default_factory=asyncio.Event)
     started: bool = False
     draining: bool = False
 

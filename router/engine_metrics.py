@@ -106,7 +106,7 @@ class EngineMetricsScraper:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 text = await resp.text()
             telemetry = parse_engine_metrics(text, now=self._clock())
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             self._metrics.scrape_errors.labels(endpoint.id).inc()
             if endpoint.id not in self._failing:  # log the first failure of a run, not every interval
                 self._failing.add(endpoint.id)

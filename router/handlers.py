@@ -144,6 +144,7 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
         except UpstreamUnreachable as exc:
             tried |= {view.id}
             last_error = f"{view.id}: {exc}"
+            continue
         served.response = served.outcome.response
         return
     if tried:

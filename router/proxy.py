@@ -114,7 +114,7 @@ class Proxy:
             except aiohttp.ClientConnectorError as exc:
                 errors.labels(endpoint_id, "connect").inc()
                 raise UpstreamUnreachable(str(exc)) from exc
-            except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            except (TimeoutError, aiohttp.ServerTimeoutError):
                 errors.labels(endpoint_id, "timeout").inc()
                 return Outcome(
                     error_response(

@@ -127,7 +127,8 @@ class _Fields:
         value = self.get(key, default)
         if not isinstance(value, str) or not value.strip():
             missing = key not in self.raw
-            raise ConfigError(self.at(key), "is required" if missing else f"must be a non-empty string, got {_show(value)}")
+            problem = "is required" if missing else f"must be a non-empty string, got {_show(value)}"
+            raise ConfigError(self.at(key), problem)
         return value.strip()
 
     def integer(self, key: str, default: int, *, minimum: int, maximum: int | None = None) -> int:
@@ -255,7 +256,8 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
         try:
             parsed = policy.parse(block)
         except PolicyConfigError as exc:
-            raise ConfigError(f"{f.at(policy.config_key)}.{exc.field}" if exc.field else f.at(policy.config_key), exc.message) from None
+            where = f.at(policy.config_key)
+            raise ConfigError(f"{where}.{exc.field}" if exc.field else where, exc.message) from None
         if policy.name == strategy_name:
             params = parsed
     t = f.sub("timeouts")

@@ -27,9 +27,9 @@ log = logging.getLogger("fleetroute.workers")
 
 
 def _worker_main(settings: Settings, index: int) -> None:
+    from router.app import serve
     from router.cli import run_event_loop
     from router.logs import configure_logging
-    from router.app import serve
 
     configure_logging(settings.log_level)
     logging.getLogger().handlers[0].addFilter(_WorkerTag(index))
@@ -51,7 +51,10 @@ def run_workers(settings: Settings) -> int:
     # Must be in the environment before a worker imports prometheus_client (spawned workers start fresh).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     spawn = multiprocessing.get_context("spawn")
-    procs = [spawn.Process(target=_worker_main, args=(settings, i), name=f"fleetroute-worker-{i}") for i in range(settings.workers)]
+    procs = [
+        spawn.Process(target=_worker_main, args=(settings, i), name=f"fleetroute-worker-{i}")
+        for i in range(settings.workers)
+    ]
     stopping = False
 
     def forward(signum: int, _frame: object) -> None:

@@ -48,9 +48,12 @@ def router_config(engines: list[FakeEngine], **overrides: Any) -> dict[str, Any]
 async def make_router() -> AsyncIterator[Callable[..., Awaitable[RunningRouter]]]:
     started: list[RunningRouter] = []
 
-    async def make(engines: list[FakeEngine], *, seed: int = 7, **overrides: Any) -> RunningRouter:
+    async def make(
+        engines: list[FakeEngine], *, seed: int = 7, clock: Callable[[], float] | None = None, **overrides: Any
+    ) -> RunningRouter:
         settings = parse_settings(router_config(engines, **overrides))
-        running = await start_router(build_context(settings, rng=random.Random(seed)))
+        extra = {"clock": clock} if clock is not None else {}
+        running = await start_router(build_context(settings, rng=random.Random(seed), **extra))
         started.append(running)
         return running
 

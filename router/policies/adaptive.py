@@ -2,12 +2,12 @@
 
     w = W_gpu * (1 - gpu_util) + W_mem * (1 - mem_util) + W_queue * (1 - queue / maxQueue)
 
-with defaults W = (0.6, 0.3, 0.1) (normalised to sum to 1) and maxQueue = 32, each term clamped to [0, 1]; `queue` is the engine's
-reported waiting requests plus this router's own in-flight requests there (see `scorers.queue_free`), and
-`mem_util` is the KV-cache usage when the telemetry comes from vLLM's `/metrics`. An endpoint without
-fresh telemetry for a signal gets the mean of the other endpoints' scores for it (neutral), counted as the
-`telemetry_unknown` policy event when such an endpoint is picked. The total is multiplied by the endpoint's
-slow-start weight factor.
+with defaults W = (0.6, 0.3, 0.1) (normalised to sum to 1) and maxQueue = 32, each term clamped to [0, 1];
+`queue` is the engine's reported waiting requests plus this router's own in-flight requests there (see
+`scorers.queue_free`), and `mem_util` is the KV-cache usage when the telemetry comes from vLLM's `/metrics`.
+An endpoint without fresh telemetry for a signal gets the mean of the other endpoints' scores for it
+(neutral), counted as the `telemetry_unknown` policy event when such an endpoint is picked. The total is
+multiplied by the endpoint's slow-start weight factor.
 
 Selection is power-of-`choices` (default 2): sample that many distinct candidates uniformly and take the
 best score. Taking the global argmax instead would send every router replica, all reading the same lagging

@@ -11,8 +11,7 @@ pool and hands back to `build`.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from router.model import EndpointView, RequestInfo

@@ -106,7 +106,7 @@ class ConsistentHashPicker:
         node = self._ring.get_node(key)
         if node not in exclude:
             return self._by_id[node]
-        for node in self._ring.range(key, unique=True):
+        for node in self._ring.iterate_nodes(key):  # ring order from the key's position, each node once
             if node not in exclude:
                 return self._by_id[node]
         return None

@@ -1,0 +1,1 @@
+"""Load tests and benchmarks for the router (not part of the test suite; see docs/benchmarks.md)."""

@@ -1,0 +1,573 @@
+"""Router-overhead benchmark: the same load sent straight to a zero-latency fake backend and through the router.
+
+    python -m loadtest.router_overhead            # full run, about 2.5 minutes
+    python -m loadtest.router_overhead --quick    # one short run of everything, a smoke test
+
+What it measures (docs/benchmarks.md has the method and the latest numbers):
+
+1. throughput at concurrency 64 (closed loop, `wrk` when installed, else a Python client), direct vs router;
+2. latency at a fixed request rate (open loop, Python aiohttp client), direct vs router, p50/p90/p99;
+3. streaming time to the first `data:` event (one stream at a time), direct vs router;
+4. router CPU time per request (utime+stime from /proc of the router and its child processes, read around
+   each throughput run, divided by the requests completed);
+5. `workers: 2` vs `workers: 1` throughput, with the router on one core and on both;
+6. the router on uvloop (the default) vs plain asyncio, and with the access log off.
+
+Processes: the fake backend (`loadtest.backend`, two ports = two endpoints) and the load generators are
+pinned to one core, the router to another (`taskset`), when the machine has two or more. Everything
+listens on 127.0.0.1 on free ports; every process started here is stopped here (SIGTERM, then SIGKILL),
+in `finally` blocks. Raw results go to loadtest/results/router-overhead-<UTC time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+MODEL = "llama-3-8b"
+PATH = "/v1/chat/completions"
+BODY = json.dumps(
+    {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
+).encode()
+STREAM_BODY = json.dumps(
+    {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16, "stream": True}
+).encode()
+HEADERS = {"Content-Type": "application/json"}
+ROOT = Path(__file__).resolve().parent.parent
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+WRK_LUA = """
+wrk.method = "POST"
+wrk.body = [[%s]]
+wrk.headers["Content-Type"] = "application/json"
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'WRKJSON {"requests": %%d, "duration_us": %%d, "connect": %%d, "read": %%d, "write": %%d, "status": %%d, '
+    .. '"timeout": %%d, "p50_us": %%d, "p99_us": %%d}\\n',
+    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+# The router on plain asyncio: what `fleetroute router` does, minus run_event_loop's uvloop.
+ASYNCIO_ROUTER = (
+    "import asyncio, sys\n"
+    "from router.settings import load_settings\n"
+    "from router.logs import configure_logging\n"
+    "from router.app import serve\n"
+    "s = load_settings(sys.argv[1])\n"
+    "configure_logging(s.log_level)\n"
+    "asyncio.run(serve(s))\n"
+)
+
+
+# ---- processes ---------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pinned(cmd: list[str], cpus: str | None) -> list[str]:
+    if cpus and shutil.which("taskset"):
+        return ["taskset", "-c", cpus, *cmd]
+    return cmd
+
+
+@dataclass
+class Proc:
+    """One child process, stopped by its own PID; it leads its own process group."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stop(self, grace: float = 10.0) -> None:
+        family = descendants(self.pid)  # router workers, which the supervisor normally stops itself
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=5)
+        for pid in family[1:]:
+            if _pgid(pid) == self.pid:  # still one of ours (each child leads its own group)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for child, ppid in parent.items() if ppid in frontier]
+        out.extend(frontier)
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime+stime of `pid` and every live descendant (router workers), in seconds."""
+    total = 0
+    for p in descendants(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / CLK_TCK
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def start_backend(cpus: str | None, chunks: int, interval_ms: float) -> tuple[Proc, list[int]]:
+    cmd = [sys.executable, "-m", "loadtest.backend", "--ports", "2", "--chunks", str(chunks),
+           "--token-interval-ms", str(interval_ms)]
+    popen = subprocess.Popen(pinned(cmd, cpus), stdout=subprocess.PIPE, cwd=ROOT, start_new_session=True)
+    proc = Proc("backend", popen)
+    try:
+        assert popen.stdout is not None
+        line = popen.stdout.readline().decode().strip()  # the backend prints READY at once
+        if not line.startswith("READY "):
+            raise RuntimeError(f"backend did not start: {line!r}")
+        return proc, [int(p) for p in line.split()[1].split(",")]
+    except BaseException:
+        proc.stop()
+        raise
+
+
+@dataclass
+class RouterConfig:
+    label: str
+    workers: int = 1
+    access_log: bool = True
+    loop: str = "uvloop"  # uvloop = `fleetroute router` as shipped; asyncio = ASYNCIO_ROUTER
+    cpus: str | None = None
+
+
+@dataclass
+class Router:
+    proc: Proc
+    url: str
+    log: Path
+
+
+def start_router(cfg: RouterConfig, backend_ports: list[int], workdir: Path) -> Router:
+    port, admin = free_port(), free_port()
+    config = workdir / f"router-{cfg.label}.yaml"
+    endpoints = "\n".join(
+        f'  - {{id: gpu-{i}, url: "http://127.0.0.1:{p}", models: [{MODEL}]}}' for i, p in enumerate(backend_ports)
+    )
+    config.write_text(
+        f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+        f"admin: {{host: 127.0.0.1, port: {admin}}}\n"
+        f"endpoints:\n{endpoints}\n"
+        f"logging: {{level: info, accessLog: {'true' if cfg.access_log else 'false'}}}\n"
+        f"workers: {cfg.workers}\n"
+        "shutdownGrace: 2s\n"
+    )
+    if cfg.loop == "asyncio":
+        cmd = [sys.executable, "-c", ASYNCIO_ROUTER, str(config)]
+    else:
+        cmd = [sys.executable, "-m", "router", "router", "--config", str(config)]
+    log = workdir / f"router-{cfg.label}.log"
+    with log.open("wb") as err:  # stderr (the JSON log, access log included) goes to a file, as to a collector
+        popen = subprocess.Popen(pinned(cmd, cfg.cpus), stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT,
+                                 start_new_session=True)
+    proc = Proc(f"router-{cfg.label}", popen)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if popen.poll() is not None:
+                raise RuntimeError(f"router exited with {popen.returncode}: {log.read_text()[-2000:]}")
+            listening = log.read_text().count('"router listening"')
+            if listening >= cfg.workers and http_ok(f"http://127.0.0.1:{admin}/readyz"):
+                return Router(proc, f"http://127.0.0.1:{port}", log)
+            time.sleep(0.1)
+        raise RuntimeError(f"router not ready after 30 s: {log.read_text()[-2000:]}")
+    except BaseException:
+        proc.stop()
+        raise
+
+
+# ---- load generators -------------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def wrk_run(url: str, seconds: float, connections: int, cpus: str | None, workdir: Path) -> dict[str, Any]:
+    script = workdir / "post.lua"
+    script.write_text(WRK_LUA % BODY.decode())
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--timeout", "5s", "-s", str(script), url + PATH]
+    out = subprocess.run(pinned(cmd, cpus), capture_output=True, timeout=seconds + 30, check=True).stdout.decode()
+    line = next(ln for ln in out.splitlines() if ln.startswith("WRKJSON "))
+    r = json.loads(line[len("WRKJSON "):])
+    r["errors"] = r.pop("connect") + r.pop("read") + r.pop("write") + r.pop("status") + r.pop("timeout")
+    r["rps"] = r["requests"] / (r["duration_us"] / 1e6)
+    return r
+
+
+async def python_closed_loop(url: str, seconds: float, connections: int) -> dict[str, Any]:
+    """Fallback when wrk is missing: `connections` clients each sending one request after another."""
+    done = errors = 0
+    lat: list[float] = []
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        start = time.perf_counter()
+        deadline = start + seconds
+
+        async def client() -> None:
+            nonlocal done, errors
+            while time.perf_counter() < deadline:
+                t = time.perf_counter()
+                async with session.post(url + PATH, data=BODY, headers=HEADERS) as r:
+                    await r.read()
+                    if r.status != 200:
+                        errors += 1
+                lat.append(time.perf_counter() - t)
+                done += 1
+
+        await asyncio.gather(*(client() for _ in range(connections)))
+        elapsed = time.perf_counter() - start
+    return {"requests": done, "duration_us": int(elapsed * 1e6), "errors": errors, "rps": done / elapsed,
+            "p50_us": int(pct(lat, 50) * 1e6), "p99_us": int(pct(lat, 99) * 1e6)}
+
+
+def throughput(url: str, args: argparse.Namespace, workdir: Path, cpu_of: int | None = None) -> dict[str, Any]:
+    before = cpu_seconds(cpu_of) if cpu_of else 0.0
+    if args.client == "wrk":
+        r = wrk_run(url, args.duration, args.concurrency, args.load_cpus, workdir)
+    else:
+        r = run_async(python_closed_loop(url, args.duration, args.concurrency))
+    if cpu_of:
+        cpu = cpu_seconds(cpu_of) - before
+        r["router_cpu_s"] = cpu
+        r["router_cpu_ms_per_req"] = cpu * 1000 / max(1, r["requests"])
+        r["router_cpu_util"] = cpu / (r["duration_us"] / 1e6)
+    if r["errors"]:
+        raise RuntimeError(f"{r['errors']} failed requests during the throughput run against {url}: {r}")
+    return r
+
+
+async def open_loop(url: str, rate: float, seconds: float, warmup: int) -> dict[str, Any]:
+    """Requests sent at a fixed rate whatever the answers do; latency from each send to the body's end."""
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        for _ in range(warmup):
+            async with session.post(url + PATH, data=BODY, headers=HEADERS) as r:
+                await r.read()
+        lat: list[float] = []
+        lag: list[float] = []
+        errors = 0
+
+        async def one(scheduled: float) -> None:
+            nonlocal errors
+            t = time.perf_counter()
+            lag.append(t - scheduled)
+            async with session.post(url + PATH, data=BODY, headers=HEADERS) as r:
+                await r.read()
+                if r.status != 200:
+                    errors += 1
+            lat.append(time.perf_counter() - t)
+
+        n = int(rate * seconds)
+        tasks = []
+        start = time.perf_counter()
+        for i in range(n):
+            scheduled = start + i / rate
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(one(scheduled)))
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+        elapsed = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(f"{errors} failed requests in the open-loop run against {url}")
+    ms = [x * 1000 for x in lat]
+    return {"requests": n, "achieved_rate": n / elapsed, "p50_ms": pct(ms, 50), "p90_ms": pct(ms, 90),
+            "p99_ms": pct(ms, 99), "max_ms": max(ms), "mean_ms": statistics.fmean(ms),
+            "send_lag_p99_ms": pct([x * 1000 for x in lag], 99)}
+
+
+async def streams(url: str, count: int, warmup: int) -> dict[str, Any]:
+    """One streaming completion at a time: time to the first `data:` line, and to the end of the stream."""
+    ttft: list[float] = []
+    total: list[float] = []
+    events = 0
+    async with aiohttp.ClientSession() as session:
+        for i in range(warmup + count):
+            t = time.perf_counter()
+            first = None
+            async with session.post(url + PATH, data=STREAM_BODY, headers=HEADERS) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"stream answered {r.status} from {url}")
+                n = 0
+                while line := await r.content.readline():
+                    if line.startswith(b"data:"):
+                        n += 1
+                        if first is None:
+                            first = time.perf_counter() - t
+            end = time.perf_counter() - t
+            if i >= warmup:
+                assert first is not None
+                ttft.append(first * 1000)
+                total.append(end * 1000)
+                events = n
+    return {"streams": count, "events_per_stream": events, "ttft_p50_ms": pct(ttft, 50),
+            "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99), "ttft_mean_ms": statistics.fmean(ttft),
+            "total_p50_ms": pct(total, 50)}
+
+
+def run_async(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+# ---- the benchmark -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, section: str, key: str, value: Any) -> None:
+        self.data.setdefault(section, {}).setdefault(key, []).append(value)
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    try:
+        import uvloop
+
+        uv = uvloop.__version__
+    except ImportError:
+        uv = None
+    wrk = None
+    if shutil.which("wrk"):
+        wrk = subprocess.run(["wrk", "--version"], capture_output=True, text=True).stdout.split("\n")[0].strip()
+    return {"nproc": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
+            "aiohttp": aiohttp.__version__, "uvloop": uv, "wrk": wrk, "kernel": platform.release()}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+@contextlib.contextmanager
+def router(cfg: RouterConfig, backend_ports: list[int], workdir: Path, procs: list[Proc]) -> Iterator[Router]:
+    r = start_router(cfg, backend_ports, workdir)
+    procs.append(r.proc)
+    try:
+        yield r
+    finally:
+        r.proc.stop()
+        procs.remove(r.proc)
+        log = r.log.read_text(errors="replace")
+        bad = [ln for ln in log.splitlines() if '"level":"error"' in ln or '"level":"critical"' in ln]
+        if bad:
+            print(f"  router {cfg.label} logged {len(bad)} errors, first: {bad[0][:300]}", file=sys.stderr)
+
+
+def benchmark(args: argparse.Namespace, out: Results, workdir: Path, procs: list[Proc],
+              say: Callable[[str], None]) -> None:
+    backend, ports = start_backend(args.load_cpus, args.chunks, args.token_interval_ms)
+    procs.append(backend)
+    direct = f"http://127.0.0.1:{ports[0]}"
+    main = RouterConfig("main", cpus=args.router_cpus)
+
+    with router(main, ports, workdir, procs) as r:
+        # Warm both paths (connection pools, code paths), then interleave direct and routed runs.
+        throughput(direct, argparse.Namespace(**{**vars(args), "duration": 1}), workdir)
+        throughput(r.url, argparse.Namespace(**{**vars(args), "duration": 1}), workdir)
+        for i in range(args.runs):
+            d = throughput(direct, args, workdir)
+            v = throughput(r.url, args, workdir, cpu_of=r.proc.pid)
+            out.add("throughput", "direct", d)
+            out.add("throughput", "router", v)
+            say(f"throughput run {i + 1}: direct {d['rps']:.0f} req/s, router {v['rps']:.0f} req/s "
+                f"(ratio {v['rps'] / d['rps']:.3f}), router CPU {v['router_cpu_ms_per_req']:.3f} ms/req "
+                f"at {v['router_cpu_util']:.0%} of a core")
+        for i in range(args.runs):
+            d = run_async(open_loop(direct, args.rate, args.latency_seconds, args.warmup))
+            v = run_async(open_loop(r.url, args.rate, args.latency_seconds, args.warmup))
+            out.add("latency", "direct", d)
+            out.add("latency", "router", v)
+            say(f"latency run {i + 1} at {args.rate:g} req/s: p50 {d['p50_ms']:.3f} -> {v['p50_ms']:.3f} ms, "
+                f"p99 {d['p99_ms']:.3f} -> {v['p99_ms']:.3f} ms")
+        for i in range(args.runs):
+            d = run_async(streams(direct, args.streams, 10))
+            v = run_async(streams(r.url, args.streams, 10))
+            out.add("streaming", "direct", d)
+            out.add("streaming", "router", v)
+            say(f"streaming run {i + 1}: TTFT p50 {d['ttft_p50_ms']:.3f} -> {v['ttft_p50_ms']:.3f} ms, "
+                f"p99 {d['ttft_p99_ms']:.3f} -> {v['ttft_p99_ms']:.3f} ms ({v['events_per_stream']} events)")
+
+    both = f"{args.router_cpus},{args.load_cpus}" if args.router_cpus and args.load_cpus else None
+    variants = [
+        RouterConfig("asyncio", loop="asyncio", cpus=args.router_cpus),
+        RouterConfig("no-access-log", access_log=False, cpus=args.router_cpus),
+        RouterConfig("workers2", workers=2, cpus=args.router_cpus),
+        RouterConfig("workers1-2cores", workers=1, cpus=both),
+        RouterConfig("workers2-2cores", workers=2, cpus=both),
+    ]
+    for cfg in variants:
+        with router(cfg, ports, workdir, procs) as r:
+            throughput(r.url, argparse.Namespace(**{**vars(args), "duration": 1}), workdir)
+            for i in range(args.runs):
+                v = throughput(r.url, args, workdir, cpu_of=r.proc.pid)
+                out.add("variants", cfg.label, v)
+                say(f"{cfg.label} run {i + 1}: {v['rps']:.0f} req/s, router CPU "
+                    f"{v['router_cpu_ms_per_req']:.3f} ms/req at {v['router_cpu_util']:.0%} of a core")
+
+
+def summarize(raw: dict[str, Any]) -> dict[str, Any]:
+    s: dict[str, Any] = {}
+    t = raw["throughput"]
+    s["direct_rps"] = spread([x["rps"] for x in t["direct"]])
+    s["router_rps"] = spread([x["rps"] for x in t["router"]])
+    s["ratio"] = spread([v["rps"] / d["rps"] for d, v in zip(t["direct"], t["router"])])
+    s["router_cpu_ms_per_req"] = spread([x["router_cpu_ms_per_req"] for x in t["router"]])
+    s["router_cpu_util"] = spread([x["router_cpu_util"] for x in t["router"]])
+    lat = raw["latency"]
+    for q in ("p50", "p90", "p99"):
+        s[f"direct_{q}_ms"] = spread([x[f"{q}_ms"] for x in lat["direct"]])
+        s[f"router_{q}_ms"] = spread([x[f"{q}_ms"] for x in lat["router"]])
+        s[f"added_{q}_ms"] = spread([v[f"{q}_ms"] - d[f"{q}_ms"] for d, v in zip(lat["direct"], lat["router"])])
+    st = raw["streaming"]
+    for q in ("p50", "p99"):
+        s[f"direct_ttft_{q}_ms"] = spread([x[f"ttft_{q}_ms"] for x in st["direct"]])
+        s[f"router_ttft_{q}_ms"] = spread([x[f"ttft_{q}_ms"] for x in st["router"]])
+        s[f"added_ttft_{q}_ms"] = spread(
+            [v[f"ttft_{q}_ms"] - d[f"ttft_{q}_ms"] for d, v in zip(st["direct"], st["router"])]
+        )
+    for label, runs in raw.get("variants", {}).items():
+        s[f"{label}_rps"] = spread([x["rps"] for x in runs])
+        s[f"{label}_cpu_ms_per_req"] = spread([x["router_cpu_ms_per_req"] for x in runs])
+        s[f"{label}_cpu_util"] = spread([x["router_cpu_util"] for x in runs])
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3, help="repetitions of each measurement (default 3)")
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds per throughput run (default 4)")
+    parser.add_argument("--concurrency", type=int, default=64, help="connections in the throughput runs")
+    parser.add_argument("--rate", type=float, default=200.0, help="open-loop request rate (default 200/s)")
+    parser.add_argument("--latency-seconds", type=float, default=5.0, help="seconds per open-loop run")
+    parser.add_argument("--warmup", type=int, default=200, help="requests before each open-loop run")
+    parser.add_argument("--streams", type=int, default=150, help="streams per TTFT run, one at a time")
+    parser.add_argument("--chunks", type=int, default=16, help="SSE events per stream")
+    parser.add_argument("--token-interval-ms", type=float, default=1.0, help="backend delay between events")
+    parser.add_argument("--client", choices=("wrk", "python"), default=None,
+                        help="throughput client (default: wrk when installed, else python)")
+    parser.add_argument("--router-cpus", default=None, help="taskset list for the router (default 0)")
+    parser.add_argument("--load-cpus", default=None,
+                        help="taskset list for the backend and the load generators (default 1)")
+    parser.add_argument("--quick", action="store_true", help="1 short run of everything (a smoke test)")
+    parser.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results", help="where the JSON goes")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.runs, args.duration, args.latency_seconds, args.warmup, args.streams = 1, 1.0, 1.0, 50, 30
+    if args.client is None:
+        args.client = "wrk" if shutil.which("wrk") else "python"
+    if args.client == "wrk" and not shutil.which("wrk"):
+        parser.error("wrk is not installed (Debian: apt-get install wrk), use --client python")
+    if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
+        args.router_cpus = args.router_cpus or "0"
+        args.load_cpus = args.load_cpus or "1"
+    if args.load_cpus:  # this process is the Python load generator
+        os.sched_setaffinity(0, {int(c) for c in args.load_cpus.split(",")})
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+
+    info = machine()
+    say(f"machine: {info}")
+    say(f"client: {args.client}; router on cpus {args.router_cpus}, backend and load on cpus {args.load_cpus}")
+    results = Results()
+    procs: list[Proc] = []
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="fleetroute-bench-") as tmp:
+        try:
+            benchmark(args, results, Path(tmp), procs, say)
+        finally:
+            for p in reversed(procs):
+                p.stop()
+    summary = summarize(results.data)
+    record = {
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "elapsed_s": round(time.time() - started, 1),
+        "machine": info,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "summary": summary,
+        "raw": results.data,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"router-overhead-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(started))}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    say(f"\nsummary (median [min, max] of {args.runs} runs):")
+    for key, value in summary.items():
+        say(f"  {key:32s} {value['median']:10.3f}  [{value['min']:.3f}, {value['max']:.3f}]")
+    say(f"\nwrote {path} ({record['elapsed_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

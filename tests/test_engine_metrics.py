@@ -1,0 +1,123 @@
+"""Load telemetry from vLLM's own /metrics: parsing across vLLM versions, and the adaptive policy acting on it
+through a real router scraping real (fake-engine) HTTP endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from router.engine_metrics import parse_engine_metrics
+from tests.conftest import MODEL
+from tests.fake_engine import EngineLoad
+
+# Shaped like vLLM v1's page: labels, data-parallel engines, histograms and counters around the gauges.
+VLLM_V1 = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="llama-3-8b"} 3.0
+vllm:num_requests_running{engine="1",model_name="llama-3-8b"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="llama-3-8b"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="llama-3-8b"} 1.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="llama-3-8b"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="llama-3-8b"} 0.25
+# HELP vllm:prefix_cache_queries_total Prefix cache queries.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="llama-3-8b"} 1000.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="llama-3-8b"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="llama-3-8b"} 10.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="llama-3-8b"} 10.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="llama-3-8b"} 1.5
+"""
+
+VLLM_V0 = """\
+# HELP vllm:num_requests_running Number of requests currently running on GPU.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 7.0
+# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="m"} 0.9
+"""
+
+
+def test_vllm_v1_page_sums_counts_and_averages_usage_across_engines() -> None:
+    t = parse_engine_metrics(VLLM_V1, now=12.0)
+    assert (t.running, t.queue_depth, t.mem_util, t.reported_at) == (5.0, 5.0, 0.375, 12.0)
+    assert t.gpu_util is None  # the engine cannot know it; the worker agent supplies it
+
+
+def test_vllm_v0_names_are_understood_and_missing_series_stay_unknown() -> None:
+    t = parse_engine_metrics(VLLM_V0, now=0.0)
+    assert t.mem_util == 0.9 and t.running == 7.0
+    assert t.queue_depth is None
+
+
+def test_a_page_without_vllm_series_gives_unknown_signals() -> None:
+    t = parse_engine_metrics("# just a comment\nsome_other_metric 1\n", now=0.0)
+    assert (t.mem_util, t.queue_depth, t.running) == (None, None, None)
+
+
+async def test_adaptive_routes_by_scraped_engine_load(make_engine, make_router, http) -> None:
+    # gpu-0 reports a full KV cache and a long queue, gpu-1 and gpu-2 are idle. With power of two choices
+    # gpu-0 has the lowest score of any pair it is drawn into, so it gets nothing.
+    busy = await make_engine("gpu-0", load=EngineLoad(waiting=30, running=64, kv_usage=0.95))
+    idle = [await make_engine(f"gpu-{i}", load=EngineLoad(kv_usage=0.05, legacy_names=i == 2)) for i in (1, 2)]
+    router = await make_router(
+        [busy, *idle],
+        policies=[{"name": "default", "strategy": "adaptive"}],
+        telemetry={"engineMetrics": {"enabled": True, "interval": "50ms", "staleAfter": "10s"}},
+    )
+    await asyncio.wait_for(router.ctx.telemetry_round.wait(), 5)
+    served: Counter[str] = Counter()
+    for _ in range(30):
+        async with http.post(router.ingress_url + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as resp:
+            served[resp.headers["x-fleetroute-endpoint"]] += 1
+    assert served["gpu-0"] == 0
+    assert served["gpu-1"] > 5 and served["gpu-2"] > 5
+    async with http.get(router.admin_url + "/admin/endpoints") as resp:
+        endpoints = {e["id"]: e for e in (await resp.json())["endpoints"]}
+    assert endpoints["gpu-0"]["telemetry"]["queue_depth"] == 30
+    assert endpoints["gpu-0"]["telemetry"]["mem_util"] == pytest.approx(0.95)
+    assert endpoints["gpu-2"]["telemetry"]["mem_util"] == pytest.approx(0.05)  # from the v0 series name
+
+
+async def test_unreachable_metrics_leave_telemetry_unknown_and_are_counted(make_engine, make_router, http) -> None:
+    live = await make_engine("gpu-0")
+    dead = await make_engine("gpu-1")
+    await dead.stop()
+    router = await make_router(
+        [live, dead],
+        policies=[{"name": "default", "strategy": "adaptive"}],
+        telemetry={"engineMetrics": {"enabled": True, "interval": "50ms"}},
+    )
+    await asyncio.wait_for(router.ctx.telemetry_round.wait(), 5)
+    views = router.ctx.balancer.snapshot.by_id
+    assert views["gpu-0"].telemetry is not None and views["gpu-1"].telemetry is None
+    async with http.get(router.admin_url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'fleetroute_engine_scrape_errors_total{endpoint="gpu-1"}' in text
+    assert "fleetroute_telemetry_unknown_endpoints 1.0" in text
+
+
+async def test_stale_telemetry_becomes_unknown(make_engine, make_router) -> None:
+    engine = await make_engine("gpu-0", load=EngineLoad(waiting=3))
+    now = [100.0]
+    router = await make_router(
+        [engine], policies=[{"name": "default", "strategy": "adaptive"}],
+        telemetry={"engineMetrics": {"enabled": False, "staleAfter": "5s"}},
+        clock=lambda: now[0],  # fake time: no sleeping
+    )
+    balancer = router.ctx.balancer
+    balancer.report_telemetry("gpu-0", parse_engine_metrics(VLLM_V1, now=100.0))
+    balancer.rebuild()
+    assert balancer.snapshot.by_id["gpu-0"].telemetry is not None
+    now[0] = 105.5
+    balancer.rebuild()
+    assert balancer.snapshot.by_id["gpu-0"].telemetry is None

@@ -1,0 +1,96 @@
+"""Every mechanism shows up in Prometheus metrics and in structured access logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from router.logs import JsonFormatter
+from tests.conftest import MODEL
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_metrics_cover_requests_latency_decisions_and_rejections(make_engine, make_router, http) -> None:
+    engine = await make_engine("gpu-0")
+    router = await make_router([engine], policies=[{"name": "main", "strategy": "consistent-hash"}])
+    for stream in (False, True):
+        async with http.post(router.ingress_url + "/v1/chat/completions", json={**CHAT, "stream": stream}) as resp:
+            await resp.read()
+    async with http.post(router.ingress_url + "/v1/chat/completions", json={"model": "nope"}) as resp:
+        assert resp.status == 404
+    async with http.get(router.admin_url + "/metrics") as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = await resp.text()
+    expected = [
+        'fleetroute_requests_total{endpoint="gpu-0",model="llama-3-8b",status="200"} 2.0',
+        'fleetroute_requests_total{endpoint="",model="nope",status="404"} 1.0',
+        'fleetroute_request_duration_seconds_count{endpoint="gpu-0",model="llama-3-8b"} 2.0',
+        'fleetroute_time_to_first_byte_seconds_count{endpoint="gpu-0",model="llama-3-8b"} 2.0',
+        'fleetroute_endpoint_in_flight_requests{endpoint="gpu-0"} 0.0',
+        'fleetroute_policy_decisions_total{endpoint="gpu-0",policy="main",strategy="consistent-hash"} 2.0',
+        # No x-session-id header was sent: both requests fell back to least-connections, and we can see it.
+        'fleetroute_policy_events_total{event="hash_key_missing",policy="main"} 2.0',
+        'fleetroute_rejected_requests_total{reason="model_not_found"} 1.0',
+        'fleetroute_endpoints{state="serving"} 1.0',
+    ]
+    for line in expected:
+        assert line in text, line
+
+
+async def test_access_log_is_one_structured_record_per_request(make_engine, make_router, http, caplog) -> None:
+    engine = await make_engine("gpu-0")
+    router = await make_router([engine])
+    with caplog.at_level(logging.INFO, logger="fleetroute.access"):
+        async with http.post(router.ingress_url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                             headers={"X-Request-Id": "req-1"}) as resp:
+            await resp.read()
+    (record,) = [r for r in caplog.records if r.name == "fleetroute.access"]
+    entry = json.loads(JsonFormatter().format(record))
+    assert entry["request_id"] == "req-1" and entry["model"] == MODEL and entry["endpoint"] == "gpu-0"
+    assert entry["status"] == 200 and entry["attempts"] == 1 and entry["path"] == "/v1/chat/completions"
+    assert 0 < entry["ttfb_ms"] <= entry["duration_ms"]
+    assert entry["level"] == "info" and entry["msg"] == "request"
+
+
+async def test_probes_and_endpoint_listing(make_engine, make_router, http) -> None:
+    engine = await make_engine("gpu-0")
+    router = await make_router([engine])
+    async with http.get(router.admin_url + "/healthz") as resp:
+        assert resp.status == 200
+    async with http.get(router.admin_url + "/readyz") as resp:
+        assert resp.status == 200 and (await resp.json())["status"] == "ready"
+    async with http.get(router.admin_url + "/admin/endpoints") as resp:
+        (endpoint,) = (await resp.json())["endpoints"]
+    assert endpoint["id"] == "gpu-0" and endpoint["state"] == "serving" and endpoint["in_flight"] == 0
+    assert endpoint["models"] == [MODEL] and endpoint["telemetry"] is None
+    router.ctx.draining = True  # what SIGTERM does first: readiness fails so the Service stops sending
+    async with http.get(router.admin_url + "/readyz") as resp:
+        assert resp.status == 503
+
+
+def test_json_formatter_keeps_extra_fields_and_exceptions() -> None:
+    logger = logging.getLogger("t")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+        record = logger.makeRecord("t", logging.ERROR, "f", 1, "failed %s", ("x",), sys.exc_info(), extra={"endpoint": "gpu-3"})
+    entry = json.loads(JsonFormatter().format(record))
+    assert entry["msg"] == "failed x" and entry["endpoint"] == "gpu-3" and "ValueError: boom" in entry["exc"]
+
+
+@pytest.mark.parametrize("level", ["debug", "warning"])
+def test_configure_logging_sets_the_level(level: str) -> None:
+    from router.logs import configure_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure_logging(level)
+        assert root.level == getattr(logging, level.upper())
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
