@@ -62,7 +62,9 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
     ctx = app[CONTEXT]
     connector = aiohttp.TCPConnector(
         limit=0,  # engines queue requests themselves; a router-side cap would hide that queue
-        keepalive_timeout=60,
+        # Below uvicorn's (vLLM's server) 5 s keep-alive, so the router never reuses a connection the engine
+        # is about to close: a POST sent on one would fail and could not be retried safely.
+        keepalive_timeout=4,
         ttl_dns_cache=10,
     )
     session = aiohttp.ClientSession(

@@ -52,6 +52,7 @@ class Balancer:
         self._endpoints: dict[str, Endpoint] = {}
         self._telemetry: dict[str, Telemetry] = {}
         self._states: dict[str, EndpointState] = {}
+        self._aged: set[str] = set()  # endpoints with a telemetry_age series, removed when they leave
         self._pool_state: dict[tuple[str, str], Any] = {}
         self._pickers: dict[str, tuple[PolicySpec, Picker]] = {}
         self._decision_children: dict[tuple[str, str], Any] = {}
@@ -62,9 +63,14 @@ class Balancer:
     # ---- inputs -------------------------------------------------------------------------------------
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        previous = set(self._endpoints)
         self._endpoints = {ep.id: ep for ep in endpoints}
-        for gone in set(self._telemetry) - set(self._endpoints):
-            del self._telemetry[gone]
+        for gone in previous - set(self._endpoints):
+            self._telemetry.pop(gone, None)
+            self._states.pop(gone, None)
+            if gone in self._aged:
+                self._aged.discard(gone)
+                self._metrics.telemetry_age.remove(gone)
         self.schedule_rebuild()
 
     def report_telemetry(self, endpoint_id: str, telemetry: Telemetry) -> None:
@@ -107,6 +113,7 @@ class Balancer:
             if telemetry is not None:
                 age = now - telemetry.reported_at
                 self._metrics.telemetry_age.labels(ep.id).set(max(age, 0.0))
+                self._aged.add(ep.id)
                 if age > self._stale_after:
                     telemetry = None
             if telemetry is None:

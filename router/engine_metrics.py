@@ -88,11 +88,6 @@ class EngineMetricsScraper:
         self._clock = clock
         self._failing: set[str] = set()
 
-    async def run(self) -> None:
-        while True:
-            await self.scrape_all()
-            await asyncio.sleep(self._settings.interval)
-
     async def scrape_all(self) -> None:
         endpoints = list(self._endpoints())
         if endpoints:

@@ -22,7 +22,7 @@ from aiohttp import web
 from router.context import CONTEXT, RouterContext
 from router.errors import error_response
 from router.model import EndpointState, RequestInfo
-from router.proxy import ENDPOINT_HEADER, Outcome, UpstreamUnreachable
+from router.proxy import Outcome, UpstreamUnreachable
 
 log = logging.getLogger("fleetroute.handlers")
 access_log = logging.getLogger("fleetroute.access")
@@ -42,14 +42,21 @@ class Served:
 
     response: web.StreamResponse | None = None
     model: str = ""
+    endpoint: str = ""  # the endpoint of the latest attempt
     outcome: Outcome | None = None  # set once an endpoint answered
     attempts: int = 0
+    failure: BaseException | None = None  # what interrupted the handler, if anything
 
     @property
     def status(self) -> int:
+        # 499 (nginx's "client closed request") when the client left before the end of the answer.
+        if isinstance(self.failure, asyncio.CancelledError):
+            return 499
+        if self.failure is not None:
+            return 500
         if self.outcome is not None:
-            return self.outcome.status
-        return self.response.status if self.response is not None else 499  # client closed first
+            return 499 if self.outcome.error == "client_disconnect" else self.outcome.status
+        return self.response.status if self.response is not None else 500
 
 
 async def inference(request: web.Request) -> web.StreamResponse:
@@ -62,18 +69,21 @@ async def inference(request: web.Request) -> web.StreamResponse:
         await _serve(request, ctx, request_id, started, served)
         assert served.response is not None
         return served.response
+    except BaseException as exc:
+        served.failure = exc
+        raise
     finally:
         _record(ctx, request, request_id, served, loop.time() - started)
 
 
 def _record(ctx: RouterContext, request: web.Request, request_id: str, served: Served, duration: float) -> None:
     outcome = served.outcome
-    endpoint = outcome.response.headers.get(ENDPOINT_HEADER, "") if outcome is not None else ""
+    endpoint = served.endpoint
     status = served.status
     ctx.metrics.requests.labels(served.model, endpoint, str(status)).inc()
-    if outcome is not None:
+    if endpoint:
         ctx.metrics.request_duration.labels(served.model, endpoint).observe(duration)
-        if outcome.ttfb is not None:
+        if outcome is not None and outcome.ttfb is not None:
             ctx.metrics.time_to_first_byte.labels(served.model, endpoint).observe(outcome.ttfb)
     if ctx.settings.access_log:
         access_log.info(
@@ -89,6 +99,7 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
                 "ttfb_ms": round(outcome.ttfb * 1000, 3) if outcome and outcome.ttfb is not None else None,
                 "duration_ms": round(duration * 1000, 3),
                 "upstream_error": outcome.error if outcome else None,
+                "failure": type(served.failure).__name__ if served.failure else None,
                 "client": request.remote,
             },
         )
@@ -137,6 +148,7 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
         if tried:
             ctx.metrics.retries.labels(model).inc()
         served.attempts = len(tried) + 1
+        served.endpoint = view.id
         try:
             served.outcome = await ctx.proxy.forward(
                 request, view, body, request_id=request_id, timeouts=spec.timeouts, started=started

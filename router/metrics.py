@@ -66,7 +66,8 @@ class RouterMetrics:
         )
         self.upstream_errors = Counter(
             "fleetroute_upstream_errors",
-            "Failures talking to endpoints, by kind: connect, timeout (before the first byte), "
+            "Failures talking to endpoints, by kind: connect, connect_timeout, timeout (no response headers within "
+            "firstByte), "
             "idle_timeout (a stream stalled), disconnect (endpoint closed mid-response), client_disconnect.",
             ["endpoint", "kind"],
             registry=r,

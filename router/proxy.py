@@ -114,6 +114,10 @@ class Proxy:
             except aiohttp.ClientConnectorError as exc:
                 errors.labels(endpoint_id, "connect").inc()
                 raise UpstreamUnreachable(str(exc)) from exc
+            except aiohttp.ConnectionTimeoutError as exc:
+                # No connection within `connect` (a blackholed pod IP): the request never left either.
+                errors.labels(endpoint_id, "connect_timeout").inc()
+                raise UpstreamUnreachable(f"no connection within {timeouts.connect:g}s") from exc
             except (TimeoutError, aiohttp.ServerTimeoutError):
                 errors.labels(endpoint_id, "timeout").inc()
                 return Outcome(
@@ -136,13 +140,14 @@ class Proxy:
                     502,
                     error="disconnect",
                 )
-            return await self._stream(request, upstream, endpoint_id, timeouts, started, loop)
+            return await self._stream(request, upstream, endpoint_id, request_id, timeouts, started, loop)
 
     async def _stream(
         self,
         request: web.Request,
         upstream: aiohttp.ClientResponse,
         endpoint_id: str,
+        request_id: str,
         timeouts: Timeouts,
         started: float,
         loop: asyncio.AbstractEventLoop,
@@ -150,6 +155,7 @@ class Proxy:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(_strip(upstream.headers, _NOT_FORWARDED_DOWN))
         response.headers[ENDPOINT_HEADER] = endpoint_id
+        response.headers["X-Request-Id"] = request_id
         if upstream.content_length is not None:
             response.content_length = upstream.content_length
         outcome = Outcome(response, upstream.status)

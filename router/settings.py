@@ -240,6 +240,7 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
         raise ConfigError(f.at("models"), f"must be a non-empty list of model names or patterns, got {_show(models)}")
     strategy_name = f.choice("strategy", "adaptive", registry.names())
+    f.used.update(p.config_key for p in registry.all())  # known fields, whether present or not
     params = None
     # Every strategy block present is validated (a typo in an unused block is still a typo), but only
     # the selected strategy's config is kept.

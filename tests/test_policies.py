@@ -256,6 +256,20 @@ def test_adaptive_with_large_choices_is_argmax() -> None:
     assert {picker.pick(req(), FixedLoads(), frozenset()).id for _ in range(100)} == {"b"}
 
 
+def test_adaptive_breaks_exact_ties_at_random_in_small_pools() -> None:
+    # Two endpoints, no telemetry, nothing in flight: every score ties, and with choices=2 both are always
+    # drawn. The winner must be random (1/2 each; 3% is > 6 sigma at 10k picks), never the first listed.
+    s = shares(build("adaptive", views("a", "b")), 10_000)
+    assert s["a"] == pytest.approx(0.5, abs=0.03)
+
+
+def test_adaptive_missing_queue_report_counts_as_the_mean_queue() -> None:
+    vs = views("a", "b", "c", telemetry={"a": tel(0.5, 0.5, 8), "b": tel(0.5, 0.5, 24), "c": tel(0.5, 0.5, None)})
+    picker = build("adaptive", vs)
+    a, b, c = (picker.score(v, 0) for v in vs)
+    assert c == pytest.approx((a + b) / 2)  # neither favoured nor shunned for not reporting
+
+
 def test_adaptive_counts_picks_without_telemetry() -> None:
     events: list[str] = []
     picker = build("adaptive", views("a"), events=events)

@@ -183,6 +183,8 @@ async def test_client_disconnect_mid_stream_cancels_the_upstream_request(make_en
             await asyncio.sleep(0)
     metrics = await _metrics(http, router)
     assert 'fleetroute_upstream_errors_total{endpoint="gpu-0",kind="client_disconnect"} 1.0' in metrics
+    # Counted as nginx's 499 "client closed request", against the endpoint that was streaming.
+    assert 'fleetroute_requests_total{endpoint="gpu-0",model="llama-3-8b",status="499"} 1.0' in metrics
 
 
 async def test_in_flight_ends_when_the_body_ends_not_at_headers(make_engine, make_router, http) -> None:

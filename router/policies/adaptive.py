@@ -71,9 +71,9 @@ class AdaptivePicker:
         self._static = {
             v.id: config.gpu_weight * gpu[v.id] + config.memory_weight * mem[v.id] for v in views
         }
-        self._reported_queue = {
-            v.id: (v.telemetry.queue_depth or 0.0) if v.telemetry is not None else 0.0 for v in views
-        }
+        self._reported_queue = neutral_fill(
+            {v.id: v.telemetry.queue_depth if v.telemetry is not None else None for v in views}, default=0.0
+        )
 
     def score(self, view: EndpointView, in_flight: int) -> float:
         c = self._config
@@ -84,10 +84,11 @@ class AdaptivePicker:
         candidates = [v for v in self._views if v.id not in exclude] if exclude else self._views
         if not candidates:
             return None
-        k = self._config.choices
-        sample = candidates if len(candidates) <= k else self._rng.sample(candidates, k)
+        # A random draw (a shuffle when the pool is no larger than `choices`) so that exact ties are broken
+        # at random, never by list order.
+        sample = self._rng.sample(candidates, min(self._config.choices, len(candidates)))
         best, best_score, best_load = None, -1.0, 0
-        for view in sample:  # sample order is random, so exact ties go to a random one
+        for view in sample:
             load = loads.in_flight(view.id)
             s = self.score(view, load)
             if s > best_score or (s == best_score and load < best_load):

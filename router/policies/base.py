@@ -67,7 +67,8 @@ def reject_unknown(params: Mapping[str, Any], known: set[str]) -> None:
     """Unknown parameters are errors that name the field, so typos never silently fall back."""
     for key in params:
         if key not in known:
-            raise PolicyConfigError(str(key), f"unknown parameter (expected one of: {', '.join(sorted(known))})")
+            expected = f"expected one of: {', '.join(sorted(known))}" if known else "this strategy takes no parameters"
+            raise PolicyConfigError(str(key), f"unknown parameter ({expected})")
 
 
 def least_loaded(

@@ -1,8 +1,8 @@
 """consistent-hash: requests with the same key go to the same endpoint while membership is stable.
 
 Intent: affinity. A session, user or tenant keeps hitting one engine, so its KV/prefix cache stays warm;
-when an endpoint joins or leaves only ~1/n of the keys move (ketama ring from `uhashring`, 160 virtual
-nodes per endpoint).
+when an endpoint joins or leaves only ~1/n of the keys move (an md5 hash ring from `uhashring`, 160
+virtual nodes per endpoint).
 
 The key comes from a configurable source: `header:<name>` (e.g. `header:x-session-id`) or
 `body:<field>` (e.g. `body:user`; dots walk nested objects, `body:metadata.tenant`). A request without

@@ -38,8 +38,8 @@ def queue_free(reported_queue: float, in_flight: int, max_queue: int) -> float:
     return clamp(1.0 - (reported_queue + in_flight) / max_queue)
 
 
-def neutral_fill(scores: dict[str, float | None]) -> dict[str, float]:
-    """Replace unknown scores by the mean of the known ones (0.5 when none is known)."""
+def neutral_fill(scores: dict[str, float | None], default: float = 0.5) -> dict[str, float]:
+    """Replace unknown values by the mean of the known ones (`default` when none is known)."""
     known = [s for s in scores.values() if s is not None]
-    fill = sum(known) / len(known) if known else 0.5
+    fill = sum(known) / len(known) if known else default
     return {k: (fill if s is None else s) for k, s in scores.items()}
