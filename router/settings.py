@@ -58,7 +58,7 @@ class Timeouts:
 @dataclass(frozen=True)
 class Retries:
     # Total tries per request. Only failures that prove the request never reached an engine (connection
-    # refused / reset before sending) are retried, on another endpoint: it is always safe.
+    # refused, no connection within `timeouts.connect`) are retried, on another endpoint: it is always safe.
     attempts: int = 2
 
 
