@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=int, metavar="N", help="processes sharing the ports (overrides `workers:`)"
     )
     router.set_defaults(func=_router)
+
+    # The CLI is the composition root: the one place where router and worker commands meet.
+    from loadtest.demo import add_parser as add_demo_parser
+    from worker.sim.cli import add_parser as add_sim_parser
+
+    add_sim_parser(sub)
+    add_demo_parser(sub)
     return parser
 
 
