@@ -189,7 +189,8 @@ def router_config(replicas: dict[str, str], model: str, strategy: str) -> dict[s
         "admin": {"host": "127.0.0.1", "port": 0},
         "endpoints": [{"id": rid, "url": url, "models": [model]} for rid, url in replicas.items()],
         "policies": [{"name": "demo", "models": ["*"], "strategy": strategy}],
-        "telemetry": {"engineMetrics": {"interval": "250ms", "staleAfter": "3s"}},
+        "telemetry": {"interval": "250ms", "staleAfter": "3s", "gpuSource": "sim"},
+        "redis": {"url": None},  # embedded telemetry: the demo needs no Redis
         "logging": {"level": "info", "accessLog": False},
         "shutdownGrace": "5s",
     }

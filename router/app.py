@@ -20,13 +20,13 @@ from aiohttp import web
 
 from router.balancer import Balancer
 from router.context import CONTEXT, RouterContext
-from router.engine_metrics import EngineMetricsScraper
 from router.handlers import add_admin_routes, add_ingress_routes, openai_errors
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
 from router.policies.registry import PolicyRegistry
 from router.proxy import Proxy
 from router.settings import Settings
+from router.telemetry import EmbeddedCollection, MemoryStore, RedisStore, TelemetryFeed, run_feed
 
 log = logging.getLogger("fleetroute.app")
 
@@ -47,7 +47,7 @@ def build_context(
         registry=registry,
         metrics=metrics,
         loads=loads,
-        stale_after=settings.engine_metrics.stale_after,
+        stale_after=settings.telemetry.stale_after,
         rng=rng,
         clock=clock,
     )
@@ -74,36 +74,40 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
     )
     ctx.proxy = Proxy(session=session, loads=ctx.loads, metrics=ctx.metrics)
-    task = None
-    if ctx.settings.engine_metrics.enabled:
-        scraper = EngineMetricsScraper(
-            settings=ctx.settings.engine_metrics,
-            session=session,
-            endpoints=ctx.balancer.endpoints,
-            on_report=ctx.balancer.report_telemetry,
-            metrics=ctx.metrics,
-            clock=ctx.clock,
-        )
-        task = asyncio.create_task(_telemetry_loop(scraper, ctx), name="fleetroute-engine-metrics")
+    telemetry = ctx.settings.telemetry
+    tasks: list[asyncio.Task[None]] = []
+    redis_store = None
+    if telemetry.enabled:
+        wake = asyncio.Event()
+        before_refresh = None
+        if ctx.settings.redis.url is not None:
+            redis_store = RedisStore(ctx.settings.redis.url, timeout=telemetry.timeout)
+            store = redis_store
+            tasks.append(asyncio.create_task(redis_store.listen(wake, telemetry.interval), name="telemetry-pubsub"))
+        else:
+            memory = MemoryStore()
+            store = memory
+            collection = EmbeddedCollection(session=session, store=memory, settings=telemetry, metrics=ctx.metrics)
+            before_refresh = lambda: collection.collect(ctx.balancer.endpoints())  # noqa: E731
+        feed = TelemetryFeed(store=store, balancer=ctx.balancer, metrics=ctx.metrics)
+        tasks.append(asyncio.create_task(
+            run_feed(feed, interval=telemetry.interval, wake=wake, before_refresh=before_refresh,
+                     on_round=ctx.telemetry_round_done),
+            name="telemetry-feed",
+        ))
     ctx.started = True
     try:
         yield
     finally:
         ctx.draining = True
-        if task is not None:
+        for task in tasks:
             task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if redis_store is not None:
+            await redis_store.close()
         await session.close()
-
-
-async def _telemetry_loop(scraper: EngineMetricsScraper, ctx: RouterContext) -> None:
-    while True:
-        await scraper.scrape_all()
-        ctx.balancer.rebuild()  # once per round: also ages out endpoints that stopped reporting
-        done, ctx.telemetry_round = ctx.telemetry_round, asyncio.Event()
-        done.set()
-        await asyncio.sleep(ctx.settings.engine_metrics.interval)
 
 
 def build_apps(ctx: RouterContext) -> tuple[web.Application, web.Application]:

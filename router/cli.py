@@ -18,18 +18,22 @@ configuration (YAML; every field optional except endpoints' id/url/models):
     - name: default
       models: ["*"]                            names or shell-style patterns
       strategy: adaptive                       round-robin | least-connections | consistent-hash | adaptive
-      adaptive: {weights: {gpu: 0.6, memory: 0.3, queue: 0.1}, maxQueue: 32, choices: 2}
+      adaptive: {weights: {gpu: 0.6, memory: 0.3, queue: 0.1}, maxQueue: 32, choices: 2,
+                 signals: {gpu: gpu_util, memory: kv_cache_usage, queue: num_waiting}}
       consistentHash: {key: "header:x-session-id"}   or body:<field>, e.g. body:user
       timeouts: {connect: 5s, firstByte: 300s, idle: 60s}
       retries: {attempts: 2}                   connection failures only, on another endpoint
   limits: {maxBodyBytes: 16777216}
-  telemetry: {engineMetrics: {enabled: true, interval: 1s, timeout: 500ms, staleAfter: 5s}}
+  telemetry: {enabled: true, interval: 1s, staleAfter: 5s, timeout: 500ms, gpuSource: none}
+  redis: {url: redis://127.0.0.1:6379/0}     agents publish telemetry there; without it the router
+                                               scrapes engines itself (gpuSource: sim adds /sim/gpu)
   logging: {level: info, accessLog: true}
   workers: 1                                   processes sharing the ports (use one per core)
   shutdownGrace: 30s                           time for in-flight requests on SIGTERM
 
 environment:
   FLEETROUTE_CONFIG                            config path when --config is not given
+  REDIS_URL                                    Redis for telemetry when the config has no redis.url
   FLEETROUTE_LISTEN_HOST, FLEETROUTE_LISTEN_PORT, FLEETROUTE_ADMIN_HOST, FLEETROUTE_ADMIN_PORT
                                                override listen/admin addresses
 
@@ -101,9 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     # The CLI is the composition root: the one place where router and worker commands meet.
     from loadtest.demo import add_parser as add_demo_parser
+    from worker.agent import add_parser as add_agent_parser
     from worker.sim.cli import add_parser as add_sim_parser
 
     add_sim_parser(sub)
+    add_agent_parser(sub)
     add_demo_parser(sub)
     return parser
 

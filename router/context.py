@@ -36,6 +36,10 @@ class RouterContext:
     # telemetry instead of sleeping.
     telemetry_round: asyncio.Event = field(default_factory=asyncio.Event)
     started: bool = False
+
+    def telemetry_round_done(self) -> None:
+        done, self.telemetry_round = self.telemetry_round, asyncio.Event()
+        done.set()
     draining: bool = False
 
 

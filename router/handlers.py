@@ -243,9 +243,10 @@ async def list_endpoints(request: web.Request) -> web.Response:
                     "source": t.source,
                     "age_s": round(now - t.reported_at, 3),
                     "gpu_util": t.gpu_util,
-                    "mem_util": t.mem_util,
-                    "queue_depth": t.queue_depth,
-                    "running": t.running,
+                    "gpu_mem_util": t.gpu_mem_util,
+                    "kv_cache_usage": t.kv_cache_usage,
+                    "num_waiting": t.num_waiting,
+                    "num_running": t.num_running,
                 },
             }
         )

@@ -107,8 +107,25 @@ class RouterMetrics:
         )
         self.scrape_errors = Counter(
             "fleetroute_engine_scrape_errors",
-            "Failed scrapes of an endpoint's /metrics.",
+            "Failed scrapes of an endpoint's /metrics by the router's embedded telemetry collector (no Redis).",
             ["endpoint"],
+            registry=r,
+        )
+        self.store_up = Gauge(
+            "fleetroute_telemetry_store_up",
+            "1 if the last read of the telemetry store (Redis, or the embedded store) succeeded, else 0.",
+            multiprocess_mode="min",
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "fleetroute_telemetry_store_errors",
+            "Failed reads of the telemetry store (Redis unreachable or timing out).",
+            registry=r,
+        )
+        self.telemetry_rejected = Counter(
+            "fleetroute_telemetry_rejected_records",
+            "Telemetry records ignored, by reason: schema (another schema version), malformed, wrong_endpoint.",
+            ["reason"],
             registry=r,
         )
         self.rebuilds = Counter(

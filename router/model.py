@@ -29,16 +29,30 @@ class Endpoint:
 class Telemetry:
     """One load report about an endpoint. `None` means the source does not know that signal.
 
-    Fractions are in [0, 1]; queue depth is a request count. `reported_at` is on the router's monotonic
-    clock so its age can be judged without trusting wall clocks across machines.
+    Fractions are in [0, 1]; request counts are counts. `reported_at` is on the router's monotonic clock
+    (converted from the reporter's wall clock once, on receipt) so ages compare without more clock maths.
     """
 
     reported_at: float
-    gpu_util: float | None = None
-    mem_util: float | None = None
-    queue_depth: float | None = None
-    running: float | None = None
-    source: str = "engine-metrics"
+    gpu_util: float | None = None  # NVML utilisation or GPM SM activity
+    gpu_mem_util: float | None = None  # GPU memory used / total (vLLM pre-allocates ~90%)
+    kv_cache_usage: float | None = None  # the engine's KV-cache blocks in use
+    num_waiting: float | None = None  # the engine's queue
+    num_running: float | None = None  # the engine's running batch
+    source: str = "embedded"
+
+    def signal(self, name: str) -> float | None:
+        """A signal by name (see `SIGNALS`); `num_requests` is waiting + running."""
+        if name == "num_requests":
+            if self.num_waiting is None and self.num_running is None:
+                return None
+            return (self.num_waiting or 0.0) + (self.num_running or 0.0)
+        return getattr(self, name)
+
+
+# Signals a policy may be configured to read: fractions in [0, 1], and request counts.
+FRACTION_SIGNALS = ("gpu_util", "gpu_mem_util", "kv_cache_usage")
+COUNT_SIGNALS = ("num_waiting", "num_running", "num_requests")
 
 
 class EndpointState(enum.Enum):

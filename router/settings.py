@@ -29,6 +29,7 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 ENDPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 POLICY_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a Kubernetes object name, for the CRD
 LOG_LEVELS = ("debug", "info", "warning", "error")
+GPU_SOURCES = ("none", "sim")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
@@ -76,14 +77,20 @@ class PolicySpec:
 
 
 @dataclass(frozen=True)
-class EngineMetricsSettings:
-    """Scraping each endpoint's own Prometheus `/metrics` (vLLM) for load telemetry."""
+class TelemetrySettings:
+    """Load telemetry: read from Redis (agents publish) or, with no Redis, collected by the router itself."""
 
     enabled: bool = True
-    interval: float = 1.0
-    timeout: float = 0.5
+    interval: float = 1.0  # how often the router refreshes (and, embedded, collects)
     # A report older than this is "unknown" to the policies (neutral score), never trusted as current.
     stale_after: float = 5.0
+    timeout: float = 0.5  # per store read / per engine scrape
+    gpu_source: str = "none"  # embedded mode: "sim" also reads a simulator's /sim/gpu
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    url: str | None = None  # None: no Redis, telemetry is embedded
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,8 @@ class Settings:
     endpoints: tuple[Endpoint, ...] = ()
     policies: tuple[PolicySpec, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    engine_metrics: EngineMetricsSettings = EngineMetricsSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
+    redis: RedisSettings = RedisSettings()
     log_level: str = "info"
     access_log: bool = True
     workers: int = 1
@@ -282,6 +290,23 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     )
 
 
+def _redis(top: _Fields) -> RedisSettings:
+    """`redis: {url: ...}`; without the key, $REDIS_URL; `url: null` turns Redis off explicitly."""
+    sub = top.sub("redis")
+    if sub.has("url"):
+        url = sub.get("url")
+        where = sub.at("url")
+    else:
+        url = os.environ.get("REDIS_URL") or None
+        where = "$REDIS_URL"
+    sub.done()
+    if url is None:
+        return RedisSettings()
+    if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(where, f"must be a redis://, rediss:// or unix:// URL, got {_show(url)}")
+    return RedisSettings(url=url)
+
+
 def default_policy(registry: PolicyRegistry) -> PolicySpec:
     """Used for models no configured policy matches."""
     adaptive = registry.get("adaptive")
@@ -310,15 +335,15 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     max_body = limits.integer("maxBodyBytes", DEFAULT_MAX_BODY_BYTES, minimum=1024)
     limits.done()
     tel = top.sub("telemetry")
-    em = tel.sub("engineMetrics")
-    engine_metrics = EngineMetricsSettings(
-        enabled=em.boolean("enabled", True),
-        interval=em.duration("interval", EngineMetricsSettings.interval),
-        timeout=em.duration("timeout", EngineMetricsSettings.timeout),
-        stale_after=em.duration("staleAfter", EngineMetricsSettings.stale_after),
+    telemetry = TelemetrySettings(
+        enabled=tel.boolean("enabled", True),
+        interval=tel.duration("interval", TelemetrySettings.interval),
+        stale_after=tel.duration("staleAfter", TelemetrySettings.stale_after),
+        timeout=tel.duration("timeout", TelemetrySettings.timeout),
+        gpu_source=tel.choice("gpuSource", "none", GPU_SOURCES),
     )
-    em.done()
     tel.done()
+    redis = _redis(top)
     log = top.sub("logging")
     log_level = log.choice("level", "info", LOG_LEVELS)
     access_log = log.boolean("accessLog", True)
@@ -332,7 +357,8 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         endpoints=endpoints,
         policies=policies,
         max_body_bytes=max_body,
-        engine_metrics=engine_metrics,
+        telemetry=telemetry,
+        redis=redis,
         log_level=log_level,
         access_log=access_log,
         workers=workers,

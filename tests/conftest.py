@@ -36,7 +36,8 @@ def router_config(engines: list[FakeEngine], **overrides: Any) -> dict[str, Any]
         "admin": {"host": "127.0.0.1", "port": 0},
         "endpoints": [{"id": e.name, "url": e.url, "models": list(e.models)} for e in engines],
         "policies": [{"name": "default", "models": ["*"], "strategy": "least-connections"}],
-        "telemetry": {"engineMetrics": {"enabled": False}},
+        "telemetry": {"enabled": False},
+        "redis": {"url": None},
         "logging": {"accessLog": True},
         "shutdownGrace": 1,
     }

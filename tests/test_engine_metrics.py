@@ -1,5 +1,5 @@
-"""Load telemetry from vLLM's own /metrics: parsing across vLLM versions, and the adaptive policy acting on it
-through a real router scraping real (fake-engine) HTTP endpoints."""
+"""Engine telemetry from vLLM's own /metrics: parsing across vLLM versions, and the adaptive policy acting on
+it through a real router whose embedded collector scrapes real (fake-engine) HTTP endpoints."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from collections import Counter
 
 import pytest
 
-from router.engine_metrics import parse_engine_metrics
+from router.model import Telemetry
 from tests.conftest import MODEL
 from tests.fake_engine import EngineLoad
+from worker.vllm_metrics import parse_vllm_metrics
 
 # Shaped like vLLM v1's page: labels, data-parallel engines, histograms and counters around the gauges.
 VLLM_V1 = """\
@@ -29,6 +30,13 @@ vllm:kv_cache_usage_perc{engine="1",model_name="llama-3-8b"} 0.25
 # HELP vllm:prefix_cache_queries_total Prefix cache queries.
 # TYPE vllm:prefix_cache_queries_total counter
 vllm:prefix_cache_queries_total{engine="0",model_name="llama-3-8b"} 1000.0
+vllm:prefix_cache_queries_created{engine="0",model_name="llama-3-8b"} 1.7e9
+# HELP vllm:prefix_cache_hits_total Prefix cache hits.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="llama-3-8b"} 250.0
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="llama-3-8b"} 7.0
 # HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
 vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="llama-3-8b"} 0.0
@@ -48,20 +56,21 @@ vllm:gpu_cache_usage_perc{model_name="m"} 0.9
 
 
 def test_vllm_v1_page_sums_counts_and_averages_usage_across_engines() -> None:
-    t = parse_engine_metrics(VLLM_V1, now=12.0)
-    assert (t.running, t.queue_depth, t.mem_util, t.reported_at) == (5.0, 5.0, 0.375, 12.0)
-    assert t.gpu_util is None  # the engine cannot know it; the worker agent supplies it
+    e = parse_vllm_metrics(VLLM_V1)
+    assert (e.num_running, e.num_waiting, e.kv_cache_usage) == (5.0, 5.0, 0.375)
+    assert (e.prefix_cache_queries, e.prefix_cache_hits, e.preemptions_total) == (1000.0, 250.0, 7.0)
+    assert e.up
 
 
 def test_vllm_v0_names_are_understood_and_missing_series_stay_unknown() -> None:
-    t = parse_engine_metrics(VLLM_V0, now=0.0)
-    assert t.mem_util == 0.9 and t.running == 7.0
-    assert t.queue_depth is None
+    e = parse_vllm_metrics(VLLM_V0)
+    assert e.kv_cache_usage == 0.9 and e.num_running == 7.0
+    assert e.num_waiting is None and e.prefix_cache_queries is None
 
 
 def test_a_page_without_vllm_series_gives_unknown_signals() -> None:
-    t = parse_engine_metrics("# just a comment\nsome_other_metric 1\n", now=0.0)
-    assert (t.mem_util, t.queue_depth, t.running) == (None, None, None)
+    e = parse_vllm_metrics("# just a comment\nsome_other_metric 1\n")
+    assert (e.kv_cache_usage, e.num_waiting, e.num_running) == (None, None, None)
 
 
 async def test_adaptive_routes_by_scraped_engine_load(make_engine, make_router, http) -> None:
@@ -72,7 +81,7 @@ async def test_adaptive_routes_by_scraped_engine_load(make_engine, make_router, 
     router = await make_router(
         [busy, *idle],
         policies=[{"name": "default", "strategy": "adaptive"}],
-        telemetry={"engineMetrics": {"enabled": True, "interval": "50ms", "staleAfter": "10s"}},
+        telemetry={"enabled": True, "interval": "50ms", "staleAfter": "10s"},
     )
     await asyncio.wait_for(router.ctx.telemetry_round.wait(), 5)
     served: Counter[str] = Counter()
@@ -83,9 +92,9 @@ async def test_adaptive_routes_by_scraped_engine_load(make_engine, make_router, 
     assert served["gpu-1"] > 5 and served["gpu-2"] > 5
     async with http.get(router.admin_url + "/admin/endpoints") as resp:
         endpoints = {e["id"]: e for e in (await resp.json())["endpoints"]}
-    assert endpoints["gpu-0"]["telemetry"]["queue_depth"] == 30
-    assert endpoints["gpu-0"]["telemetry"]["mem_util"] == pytest.approx(0.95)
-    assert endpoints["gpu-2"]["telemetry"]["mem_util"] == pytest.approx(0.05)  # from the v0 series name
+    assert endpoints["gpu-0"]["telemetry"]["num_waiting"] == 30
+    assert endpoints["gpu-0"]["telemetry"]["kv_cache_usage"] == pytest.approx(0.95)
+    assert endpoints["gpu-2"]["telemetry"]["kv_cache_usage"] == pytest.approx(0.05)  # from the v0 series name
 
 
 async def test_unreachable_metrics_leave_telemetry_unknown_and_are_counted(make_engine, make_router, http) -> None:
@@ -95,7 +104,7 @@ async def test_unreachable_metrics_leave_telemetry_unknown_and_are_counted(make_
     router = await make_router(
         [live, dead],
         policies=[{"name": "default", "strategy": "adaptive"}],
-        telemetry={"engineMetrics": {"enabled": True, "interval": "50ms"}},
+        telemetry={"enabled": True, "interval": "50ms"},
     )
     await asyncio.wait_for(router.ctx.telemetry_round.wait(), 5)
     views = router.ctx.balancer.snapshot.by_id
@@ -111,11 +120,11 @@ async def test_stale_telemetry_becomes_unknown(make_engine, make_router) -> None
     now = [100.0]
     router = await make_router(
         [engine], policies=[{"name": "default", "strategy": "adaptive"}],
-        telemetry={"engineMetrics": {"enabled": False, "staleAfter": "5s"}},
+        telemetry={"enabled": False, "staleAfter": "5s"},
         clock=lambda: now[0],  # fake time: no sleeping
     )
     balancer = router.ctx.balancer
-    balancer.report_telemetry("gpu-0", parse_engine_metrics(VLLM_V1, now=100.0))
+    balancer.report_telemetry("gpu-0", Telemetry(reported_at=100.0, num_waiting=3))
     balancer.rebuild()
     assert balancer.snapshot.by_id["gpu-0"].telemetry is not None
     now[0] = 105.5

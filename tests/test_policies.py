@@ -46,7 +46,7 @@ def build(strategy: str, vs: tuple[EndpointView, ...], params: dict[str, Any] | 
 
 
 def tel(gpu: float | None = None, mem: float | None = None, queue: float | None = None) -> Telemetry:
-    return Telemetry(reported_at=0.0, gpu_util=gpu, mem_util=mem, queue_depth=queue)
+    return Telemetry(reported_at=0.0, gpu_util=gpu, kv_cache_usage=mem, num_waiting=queue)
 
 
 def shares(picker: Any, n: int, loads: FixedLoads | None = None, make_req: Any = None) -> dict[str, float]:
@@ -101,6 +101,9 @@ def test_no_candidates_gives_none(strategy: str) -> None:
         ("adaptive", {"maxQueue": 0}, "maxQueue", ">= 1"),
         ("adaptive", {"maxQueue": 2.5}, "maxQueue", "integer"),
         ("adaptive", {"choices": True}, "choices", "integer"),
+        ("adaptive", {"signals": {"memory": "num_waiting"}}, "signals.memory", "must be one of gpu_util, gpu_mem_util, kv_cache_usage"),
+        ("adaptive", {"signals": {"queue": "kv_cache_usage"}}, "signals.queue", "must be one of num_waiting"),
+        ("adaptive", {"signals": {"power": "gpu_util"}}, "signals.power", "unknown term"),
     ],
 )
 def test_parse_rejects_bad_parameters_naming_the_field(strategy: str, params: dict[str, Any], field: str, message: str) -> None:
@@ -241,6 +244,17 @@ def test_adaptive_weights_are_configurable_and_normalised() -> None:
     scaled = build("adaptive", vs, {"weights": {"gpu": 6, "memory": 3, "queue": 1}})
     default = build("adaptive", vs)
     assert scaled.score(vs[0], 0) == pytest.approx(default.score(vs[0], 0))
+
+
+def test_adaptive_signals_are_configurable() -> None:
+    # By default memory is the KV cache (it fills with load); GPU memory can be chosen instead, and the queue
+    # can count running requests too.
+    t = Telemetry(reported_at=0.0, gpu_util=0.0, gpu_mem_util=0.9, kv_cache_usage=0.2, num_waiting=4, num_running=12)
+    vs = views("a", telemetry={"a": t})
+    default = build("adaptive", vs)
+    assert default.score(vs[0], 0) == pytest.approx(0.6 + 0.3 * 0.8 + 0.1 * (1 - 4 / 32))
+    custom = build("adaptive", vs, {"signals": {"memory": "gpu_mem_util", "queue": "num_requests"}})
+    assert custom.score(vs[0], 0) == pytest.approx(0.6 + 0.3 * 0.1 + 0.1 * (1 - 16 / 32))
 
 
 def test_adaptive_unknown_telemetry_gets_the_mean_of_known_scores() -> None:

@@ -29,7 +29,7 @@ async def start_process(tmp_path: Path, engines, workers: int) -> tuple[asyncio.
         "listen": {"host": "127.0.0.1", "port": port},
         "admin": {"host": "127.0.0.1", "port": admin},
         "endpoints": [{"id": e.name, "url": e.url, "models": list(e.models)} for e in engines],
-        "telemetry": {"engineMetrics": {"enabled": False}},
+        "telemetry": {"enabled": False},
         "workers": workers,
         "shutdownGrace": "10s",
     }

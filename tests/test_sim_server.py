@@ -14,11 +14,11 @@ import pytest
 from aiohttp import web
 
 from router.app import build_context, start_router
-from router.engine_metrics import parse_engine_metrics
 from router.settings import parse_settings
 from worker.sim.engine import EngineConfig, EngineCore
 from worker.sim.profiles import profile
 from worker.sim.server import SimServer, SimSettings
+from worker.vllm_metrics import parse_vllm_metrics
 
 MODEL = "sim-model"
 
@@ -61,7 +61,7 @@ async def test_openai_sdk_streams_from_the_sim_directly_and_through_the_router(m
     settings = parse_settings({
         "listen": {"host": "127.0.0.1", "port": 0}, "admin": {"host": "127.0.0.1", "port": 0},
         "endpoints": [{"id": f"sim-{i}", "url": s.url, "models": [MODEL]} for i, s in enumerate(sims)],
-        "telemetry": {"engineMetrics": {"enabled": False}},
+        "telemetry": {"enabled": False}, "redis": {"url": None},
     })
     router = await start_router(build_context(settings, rng=random.Random(1)))
     try:
@@ -95,8 +95,9 @@ async def test_metrics_use_vllm_names_and_the_router_reads_them(make_sim, http) 
                  "vllm:time_to_first_token_seconds_bucket{", "vllm:inter_token_latency_seconds_bucket{",
                  "vllm:e2e_request_latency_seconds_bucket{", "vllm:cache_config_info{", 'model_name="sim-model"'):
         assert name in text, name
-    telemetry = parse_engine_metrics(text, now=0.0)
-    assert (telemetry.queue_depth, telemetry.running, telemetry.mem_util) == (0.0, 0.0, 0.0)
+    engine = parse_vllm_metrics(text)
+    assert (engine.num_waiting, engine.num_running, engine.kv_cache_usage) == (0.0, 0.0, 0.0)
+    assert engine.prefix_cache_queries is not None and engine.preemptions_total == 0.0
 
 
 async def test_gpu_telemetry_reflects_engine_activity(make_sim, http) -> None:

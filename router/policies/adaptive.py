@@ -24,11 +24,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.model import EndpointView, RequestInfo
+from router.model import COUNT_SIGNALS, FRACTION_SIGNALS, EndpointView, RequestInfo
 from router.policies.base import EventSink, LoadView, PolicyConfigError, reject_unknown
-from router.policies.scorers import clamp, gpu_idle, memory_free, neutral_fill, queue_free
+from router.policies.scorers import clamp, free_fraction, neutral_fill, queue_free
 
 DEFAULT_WEIGHTS = {"gpu": 0.6, "memory": 0.3, "queue": 0.1}
+# Which telemetry signal feeds each term. "memory" is the KV cache, not GPU memory: vLLM pre-allocates
+# ~90% of GPU memory at start-up, so NVML's memory barely moves with load while the KV cache fills.
+DEFAULT_SIGNALS = {"gpu": "gpu_util", "memory": "kv_cache_usage", "queue": "num_waiting"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class AdaptiveConfig:
     queue_weight: float = 0.1
     max_queue: int = 32
     choices: int = 2
+    gpu_signal: str = "gpu_util"
+    memory_signal: str = "kv_cache_usage"
+    queue_signal: str = "num_waiting"
 
 
 def _number(value: Any, field: str, *, minimum: float, integer: bool = False) -> Any:
@@ -64,15 +70,16 @@ class AdaptivePicker:
         self._config = config
         self._rng = rng
         self._events = events
-        gpu = neutral_fill({v.id: gpu_idle(v) for v in views})
-        mem = neutral_fill({v.id: memory_free(v) for v in views})
+        gpu = neutral_fill({v.id: free_fraction(v, config.gpu_signal) for v in views})
+        mem = neutral_fill({v.id: free_fraction(v, config.memory_signal) for v in views})
         # The telemetry part of the score is fixed for this snapshot; only the local in-flight part of the
         # queue term changes between picks, so it is the only thing computed per request.
         self._static = {
             v.id: config.gpu_weight * gpu[v.id] + config.memory_weight * mem[v.id] for v in views
         }
         self._reported_queue = neutral_fill(
-            {v.id: v.telemetry.queue_depth if v.telemetry is not None else None for v in views}, default=0.0
+            {v.id: v.telemetry.signal(config.queue_signal) if v.telemetry is not None else None for v in views},
+            default=0.0,
         )
 
     def score(self, view: EndpointView, in_flight: int) -> float:
@@ -103,7 +110,18 @@ class AdaptivePolicy:
     config_key = "adaptive"
 
     def parse(self, params: Mapping[str, Any]) -> AdaptiveConfig:
-        reject_unknown(params, {"weights", "maxQueue", "choices"})
+        reject_unknown(params, {"weights", "maxQueue", "choices", "signals"})
+        signals = params.get("signals", {})
+        if not isinstance(signals, Mapping):
+            raise PolicyConfigError("signals", f"must map gpu/memory/queue to signal names, got {signals!r}")
+        chosen = dict(DEFAULT_SIGNALS)
+        for term, name in signals.items():
+            allowed = COUNT_SIGNALS if term == "queue" else FRACTION_SIGNALS
+            if term not in DEFAULT_SIGNALS:
+                raise PolicyConfigError(f"signals.{term}", "unknown term (expected one of: gpu, memory, queue)")
+            if name not in allowed:
+                raise PolicyConfigError(f"signals.{term}", f"must be one of {', '.join(allowed)}, got {name!r}")
+            chosen[term] = name
         weights = params.get("weights", {})
         if not isinstance(weights, Mapping):
             raise PolicyConfigError("weights", f"must be a mapping of gpu/memory/queue, got {weights!r}")
@@ -121,6 +139,9 @@ class AdaptivePolicy:
             queue_weight=w["queue"] / total,
             max_queue=_number(params.get("maxQueue", 32), "maxQueue", minimum=1, integer=True),
             choices=_number(params.get("choices", 2), "choices", minimum=1, integer=True),
+            gpu_signal=chosen["gpu"],
+            memory_signal=chosen["memory"],
+            queue_signal=chosen["queue"],
         )
 
     def new_state(self) -> None:

@@ -15,26 +15,17 @@ def clamp(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
 
-def gpu_idle(view: EndpointView) -> float | None:
-    """1 - GPU utilisation."""
+def free_fraction(view: EndpointView, signal: str) -> float | None:
+    """1 - a utilisation fraction (`gpu_util`, `gpu_mem_util` or `kv_cache_usage`)."""
     t = view.telemetry
-    if t is None or t.gpu_util is None:
-        return None
-    return clamp(1.0 - t.gpu_util)
-
-
-def memory_free(view: EndpointView) -> float | None:
-    """1 - memory utilisation (for an LLM engine: the KV-cache usage, since vLLM pre-allocates GPU memory)."""
-    t = view.telemetry
-    if t is None or t.mem_util is None:
-        return None
-    return clamp(1.0 - t.mem_util)
+    value = None if t is None else t.signal(signal)
+    return None if value is None else clamp(1.0 - value)
 
 
 def queue_free(reported_queue: float, in_flight: int, max_queue: int) -> float:
-    """1 - queue/max_queue, where queue = what the engine last reported waiting + what this router has in
-    flight there. The local count is fresh while the report lags by up to one telemetry interval, so
-    requests this router just sent lower the score at once (the correction rule 6 of STYLE.md asks for)."""
+    """1 - queue/max_queue, where queue = what the engine last reported + what this router has in flight
+    there. The local count is fresh while the report lags by up to one telemetry interval, so requests this
+    router just sent lower the score at once (the correction rule 6 of STYLE.md asks for)."""
     return clamp(1.0 - (reported_queue + in_flight) / max_queue)
 
 

@@ -1,0 +1,215 @@
+"""Load telemetry for the policies: read per-endpoint records from a store, judge their age, feed the balancer.
+
+Two stores with one interface (`read(ids) -> {id: hash fields}`), both holding `worker.protocol` records:
+
+- `RedisStore`: the production path. Each worker pod's agent writes its endpoint's record every interval;
+  every router replica reads all of them with one pipelined HGETALL per refresh. Refreshes happen every
+  `interval` and early when an agent's PUBLISH arrives (pub/sub only wakes the reader: it is lossy, so the
+  periodic read stays the source of truth).
+- `MemoryStore` + `EmbeddedCollection`: with no Redis configured (`fleetroute demo`, local runs) the router
+  collects the records itself, scraping each engine's `/metrics` (and a simulator's `/sim/gpu` with
+  `gpuSource: sim`), through the same collector code the agent uses.
+
+`TelemetryFeed.refresh` joins records to known endpoints by id, converts the reporter's wall-clock time to
+the router's monotonic clock, and rebuilds the pickers once. A record with another schema version is
+ignored with one log line and a metric; a missing or stale record leaves the endpoint "unknown" (neutral
+score). If Redis is unreachable, routing goes on with the last records until they go stale (then
+least-connections-like behaviour through the in-flight term), with a metric and one log line, and recovers
+by itself when Redis answers again. No request ever waits on Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
+
+import aiohttp
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router.balancer import Balancer
+from router.metrics import RouterMetrics
+from router.model import Endpoint, Telemetry
+from router.settings import TelemetrySettings
+from worker.collect import EngineCollector, SimGpuSampler
+from worker.protocol import UPDATES_CHANNEL, SchemaMismatch, TelemetryRecord, decode, encode, telemetry_key
+
+log = logging.getLogger("fleetroute.telemetry")
+
+
+class TelemetryStore(Protocol):
+    async def read(self, endpoint_ids: list[str]) -> dict[str, Mapping[str, str]]: ...
+
+
+class MemoryStore:
+    """The embedded store: the newest record per endpoint, in this process."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, dict[str, str]] = {}
+
+    def put(self, record: TelemetryRecord) -> None:
+        self._records[record.endpoint_id] = encode(record)
+
+    async def read(self, endpoint_ids: list[str]) -> dict[str, Mapping[str, str]]:
+        return {i: self._records[i] for i in endpoint_ids if i in self._records}
+
+
+class RedisStore:
+    def __init__(self, url: str, *, timeout: float) -> None:
+        # Short timeouts and no client-side retries: a refresh that cannot reach Redis fails fast and the
+        # router keeps routing on what it has.
+        self.client = aioredis.from_url(
+            url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False
+        )
+
+    async def read(self, endpoint_ids: list[str]) -> dict[str, Mapping[str, str]]:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for endpoint_id in endpoint_ids:
+                pipe.hgetall(telemetry_key(endpoint_id))
+            results = await pipe.execute()
+        return {i: r for i, r in zip(endpoint_ids, results, strict=True) if r}
+
+    async def listen(self, wake: asyncio.Event, retry_after: float) -> None:
+        """Set `wake` whenever an agent announces a new record; reconnect after failures."""
+        while True:
+            try:
+                async with self.client.pubsub() as pubsub:
+                    await pubsub.subscribe(UPDATES_CHANNEL)
+                    async for message in pubsub.listen():
+                        if message.get("type") == "message":
+                            wake.set()
+            except (RedisError, OSError):
+                pass  # the refresh loop reports Redis outages; here we only retry
+            await asyncio.sleep(retry_after)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def to_telemetry(record: TelemetryRecord, *, wall_now: float, mono_now: float) -> Telemetry:
+    age = max(0.0, wall_now - record.reported_at)  # a reporter clock slightly ahead is treated as fresh
+    gpu, engine = record.gpu, record.engine
+    return Telemetry(
+        reported_at=mono_now - age,
+        gpu_util=gpu.util,
+        gpu_mem_util=gpu.mem_util,
+        kv_cache_usage=engine.kv_cache_usage,
+        num_waiting=engine.num_waiting,
+        num_running=engine.num_running,
+        source=record.gpu_source if record.gpu_source != "none" else "engine",
+    )
+
+
+class TelemetryFeed:
+    def __init__(
+        self,
+        *,
+        store: TelemetryStore,
+        balancer: Balancer,
+        metrics: RouterMetrics,
+        wall_clock: Callable[[], float] = time.time,
+        mono_clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._balancer = balancer
+        self._metrics = metrics
+        self._wall = wall_clock
+        self._mono = mono_clock
+        self._store_down = False
+        self._schema_warned: set[str] = set()
+
+    async def refresh(self) -> None:
+        ids = [ep.id for ep in self._balancer.endpoints()]
+        try:
+            raw = await self._store.read(ids) if ids else {}
+        except (RedisError, OSError) as exc:
+            self._metrics.store_errors.inc()
+            self._metrics.store_up.set(0)
+            if not self._store_down:
+                log.warning("telemetry store unreachable; routing on the last known telemetry until it goes stale",
+                            extra={"error": f"{type(exc).__name__}: {exc}"})
+            self._store_down = True
+            self._balancer.rebuild()  # ages out what has gone stale
+            return
+        if self._store_down:
+            log.info("telemetry store reachable again")
+            self._store_down = False
+        self._metrics.store_up.set(1)
+        wall, mono = self._wall(), self._mono()
+        for endpoint_id, fields in raw.items():
+            try:
+                record = decode(fields)
+            except SchemaMismatch as exc:
+                self._metrics.telemetry_rejected.labels("schema").inc()
+                if endpoint_id not in self._schema_warned:
+                    self._schema_warned.add(endpoint_id)
+                    log.error("telemetry record ignored: unknown schema version (upgrade the router or the agent)",
+                              extra={"endpoint": endpoint_id, "error": str(exc)})
+                continue
+            except (KeyError, ValueError, TypeError) as exc:
+                self._metrics.telemetry_rejected.labels("malformed").inc()
+                log.warning("telemetry record ignored: malformed", extra={"endpoint": endpoint_id, "error": repr(exc)})
+                continue
+            if record.endpoint_id != endpoint_id:
+                self._metrics.telemetry_rejected.labels("wrong_endpoint").inc()
+                continue
+            self._balancer.report_telemetry(endpoint_id, to_telemetry(record, wall_now=wall, mono_now=mono))
+        self._balancer.rebuild()
+
+
+class EmbeddedCollection:
+    """The router collects records itself (no Redis): one collector per endpoint, all in parallel."""
+
+    def __init__(self, *, session: aiohttp.ClientSession, store: MemoryStore, settings: TelemetrySettings,
+                 metrics: RouterMetrics) -> None:
+        self._session = session
+        self._metrics = metrics
+        self._store = store
+        self._settings = settings
+        self._collectors: dict[str, tuple[str, EngineCollector]] = {}
+
+    def _collector(self, endpoint: Endpoint) -> EngineCollector:
+        known = self._collectors.get(endpoint.id)
+        if known is not None and known[0] == endpoint.url:
+            return known[1]
+        s = self._settings
+        gpu = SimGpuSampler(self._session, endpoint.url, s.timeout) if s.gpu_source == "sim" else None
+        collector = EngineCollector(session=self._session, endpoint_id=endpoint.id, engine_url=endpoint.url, gpu=gpu,
+                                    gpu_source=s.gpu_source, interval=s.interval, timeout=s.timeout)
+        self._collectors[endpoint.id] = (endpoint.url, collector)
+        return collector
+
+    async def collect(self, endpoints: Iterable[Endpoint]) -> None:
+        collectors = [self._collector(ep) for ep in endpoints]
+        for record in await asyncio.gather(*(c.collect() for c in collectors)):
+            if not record.engine.up:
+                self._metrics.scrape_errors.labels(record.endpoint_id).inc()
+            if record.engine.up or record.gpu_source != "none":
+                self._store.put(record)
+
+
+async def run_feed(
+    feed: TelemetryFeed,
+    *,
+    interval: float,
+    wake: asyncio.Event,
+    before_refresh: Callable[[], object] | None = None,
+    on_round: Callable[[], None] | None = None,
+) -> None:
+    """Refresh every `interval`, or earlier when `wake` is set (coalescing everything that arrived)."""
+    while True:
+        if before_refresh is not None:
+            result = before_refresh()
+            if asyncio.iscoroutine(result):
+                await result
+        await feed.refresh()
+        if on_round is not None:
+            on_round()
+        wake.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(interval):
+                await wake.wait()

@@ -1,0 +1,165 @@
+"""`fleetroute agent`: the sidecar beside each engine. Every interval it samples the GPU (NVML, or a
+simulator's `/sim/gpu`) and the engine's `/metrics`, and publishes one record to Redis for every router.
+
+It never crash-loops on its environment: no NVIDIA driver gives one clear log line and engine-only
+telemetry; an unreachable engine publishes `engine_up=0` (routers then see the endpoint's engine signals as
+unknown); an unreachable Redis is logged once and retried every interval until it answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import aiohttp
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from worker.collect import EngineCollector, GpuSampler, SimGpuSampler
+from worker.publisher import RedisPublisher
+
+log = logging.getLogger("fleetroute.agent")
+
+GPU_SOURCES = ("nvml", "sim", "none")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    engine_url: str
+    redis_url: str
+    endpoint_id: str
+    gpu_source: str = "nvml"
+    gpu_index: int = 0
+    interval: float = 1.0
+    timeout: float = 0.5
+
+    @property
+    def ttl(self) -> float:
+        # A few intervals: long enough to ride out one slow publish, short enough that a dead agent's
+        # numbers are gone before routers would trust them anyway.
+        return 3 * self.interval
+
+
+def open_gpu(settings: AgentSettings, session: aiohttp.ClientSession) -> tuple[GpuSampler | None, str]:
+    if settings.gpu_source == "sim":
+        return SimGpuSampler(session, settings.engine_url, settings.timeout), "sim"
+    if settings.gpu_source == "nvml":
+        from worker.nvml import NvmlSampler, NvmlUnavailable
+
+        try:
+            sampler = NvmlSampler(settings.gpu_index)
+        except NvmlUnavailable as exc:
+            log.warning("no GPU telemetry: %s; publishing engine-only telemetry", exc,
+                        extra={"endpoint": settings.endpoint_id})
+            return None, "none"
+        log.info("reading GPU through NVML", extra={"gpu": sampler.name, "uuid": sampler.uuid})
+        return sampler, "nvml"
+    return None, "none"
+
+
+class Agent:
+    def __init__(self, settings: AgentSettings, session: aiohttp.ClientSession, client: aioredis.Redis) -> None:
+        self.settings = settings
+        self._gpu, gpu_source = open_gpu(settings, session)
+        self._collector = EngineCollector(
+            session=session, endpoint_id=settings.endpoint_id, engine_url=settings.engine_url, gpu=self._gpu,
+            gpu_source=gpu_source, interval=settings.interval, timeout=settings.timeout,
+        )
+        self._publisher = RedisPublisher(client, ttl=settings.ttl)
+        self._redis_down = False
+        self.published = 0
+
+    async def tick(self) -> None:
+        record = await self._collector.collect()
+        try:
+            await self._publisher.publish(record)
+        except (RedisError, OSError) as exc:
+            if not self._redis_down:
+                log.warning("redis unreachable; will keep retrying every interval",
+                            extra={"endpoint": self.settings.endpoint_id, "error": f"{type(exc).__name__}: {exc}"})
+            self._redis_down = True
+            return
+        if self._redis_down:
+            log.info("redis reachable again", extra={"endpoint": self.settings.endpoint_id})
+            self._redis_down = False
+        self.published += 1
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_tick = loop.time()
+        while True:
+            await self.tick()
+            next_tick += self.settings.interval
+            await asyncio.sleep(max(0.0, next_tick - loop.time()))
+
+    def close(self) -> None:
+        if self._gpu is not None:
+            self._gpu.close()
+
+
+async def run_agent(settings: AgentSettings) -> None:
+    client = aioredis.from_url(settings.redis_url, decode_responses=True, socket_timeout=settings.timeout,
+                               socket_connect_timeout=settings.timeout, retry_on_timeout=False)
+    async with aiohttp.ClientSession() as session:
+        agent = Agent(settings, session, client)
+        log.info("agent started", extra={"endpoint": settings.endpoint_id, "engine": settings.engine_url,
+                                         "interval_s": settings.interval})
+        task = asyncio.create_task(agent.run())
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            agent.close()
+            await client.aclose()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("agent", help="run the telemetry sidecar beside one engine (NVML + vLLM metrics -> Redis)",
+                       description="Sample the GPU and the engine's /metrics every interval and publish one "
+                       "telemetry record to Redis for the routers (schema: worker/protocol.py, docs/telemetry.md).")
+    p.add_argument("--engine-url", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="Redis URL (default: $REDIS_URL)")
+    p.add_argument("--endpoint-id", required=True, help="the endpoint id routers know this engine by")
+    p.add_argument("--gpu-source", choices=GPU_SOURCES, default="nvml",
+                   help="nvml (real GPU), sim (a fleetroute sim's /sim/gpu) or none")
+    p.add_argument("--gpu-index", type=int, default=0, help="NVML device index (default 0)")
+    p.add_argument("--interval", default="1s", help="sampling interval, e.g. 1s or 500ms (default 1s)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from router.cli import run_event_loop
+    from router.logs import configure_logging
+    from router.settings import parse_duration
+
+    def fail(message: str) -> int:
+        print(f"fleetroute agent: error: {message}", file=sys.stderr)
+        return 2
+
+    interval = parse_duration(args.interval)
+    if interval is None or interval <= 0:
+        return fail(f"--interval must be a positive duration like 1s or 500ms, got {args.interval!r}")
+    if not args.redis:
+        return fail("--redis is required (or set REDIS_URL)")
+    if not args.redis.startswith(("redis://", "rediss://", "unix://")):
+        return fail(f"--redis must be a redis://, rediss:// or unix:// URL, got {args.redis!r}")
+    if not args.engine_url.startswith(("http://", "https://")):
+        return fail(f"--engine-url must be an http:// or https:// URL, got {args.engine_url!r}")
+    configure_logging("info")
+    settings = AgentSettings(engine_url=args.engine_url.rstrip("/"), redis_url=args.redis,
+                             endpoint_id=args.endpoint_id, gpu_source=args.gpu_source, gpu_index=args.gpu_index,
+                             interval=interval)
+    run_event_loop(run_agent(settings))
+    return 0

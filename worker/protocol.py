@@ -1,0 +1,181 @@
+"""The telemetry wire schema between worker agents and routers: the ONLY worker module the router imports.
+
+One Redis hash per endpoint, written by that endpoint's agent every interval and read by every router:
+
+    key      fleetroute:v1:telemetry:{endpoint_id}        (HSET, then PEXPIRE ttl)
+    channel  fleetroute:v1:telemetry-updates              (PUBLISH endpoint_id after each write)
+
+Fields (all strings, as Redis stores them; a signal the agent could not read is simply absent):
+
+    schema            "1"; a reader that does not know the version ignores the record (and says so)
+    endpoint_id       the endpoint this describes (the discovery id; the join key)
+    reported_at       agent wall-clock time of the sample, Unix seconds
+    seq               increases by one per write (debugging, lost-update detection)
+    interval          the agent's sampling interval, seconds
+    gpu_source        nvml | sim | none
+    gpu_util          0..1, GPU busy fraction (NVML utilization.gpu, or GPM SM activity when available)
+    gpu_util_kind     utilization | gpm_sm_activity
+    gpu_mem_util      0..1, GPU memory used / total (for vLLM ~0.9 from start-up: pre-allocated)
+    gpu_mem_used_bytes, gpu_mem_total_bytes
+    gpu_temperature_c, gpu_power_w
+    gpu_throttle_reasons   NVML clocks-event reasons bit mask
+    gpu_xid_errors    XID errors seen since the agent started
+    gpu_ecc_uncorrected    volatile uncorrected ECC errors
+    gpu_retired_pages      retired (or pending) pages
+    gpu_lost          "1" when the GPU fell off the bus (NVML_ERROR_GPU_IS_LOST)
+    engine_up         "1" if the engine's /metrics answered this interval
+    kv_cache_usage    0..1 (vllm:kv_cache_usage_perc, formerly gpu_cache_usage_perc)
+    num_waiting       vllm:num_requests_waiting
+    num_running       vllm:num_requests_running
+    prefix_cache_hit_rate  0..1, hits/queries over the last interval
+    preemptions_total vllm:num_preemptions_total
+
+The TTL is a few intervals, so a dead agent's record disappears by itself rather than lying. Routers also
+judge age from `reported_at` and treat old records as unknown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+
+SCHEMA_VERSION = 1
+KEY_PREFIX = "fleetroute:v1:telemetry:"
+UPDATES_CHANNEL = "fleetroute:v1:telemetry-updates"
+
+
+def telemetry_key(endpoint_id: str) -> str:
+    return KEY_PREFIX + endpoint_id
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One reading of one GPU, from NVML or the simulator. None = not supported or not readable."""
+
+    util: float | None = None
+    util_kind: str = "utilization"
+    mem_used_bytes: int | None = None
+    mem_total_bytes: int | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    throttle_reasons: int | None = None
+    xid_errors: int | None = None
+    ecc_uncorrected: int | None = None
+    retired_pages: int | None = None
+    lost: bool = False
+
+    @property
+    def mem_util(self) -> float | None:
+        if self.mem_used_bytes is None or not self.mem_total_bytes:
+            return None
+        return self.mem_used_bytes / self.mem_total_bytes
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """One scrape of an engine's /metrics. None = the series was absent."""
+
+    up: bool = False
+    kv_cache_usage: float | None = None
+    num_waiting: float | None = None
+    num_running: float | None = None
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+    preemptions_total: float | None = None
+
+
+@dataclass(frozen=True)
+class TelemetryRecord:
+    """What one agent publishes about one endpoint."""
+
+    endpoint_id: str
+    reported_at: float
+    seq: int
+    interval: float
+    gpu_source: str
+    gpu: GpuSample
+    engine: EngineSample
+    prefix_cache_hit_rate: float | None = None
+    schema: int = SCHEMA_VERSION
+
+
+class SchemaMismatch(ValueError):
+    """The record was written by an agent with another schema version."""
+
+
+_GPU_FIELDS = {f.name: f"gpu_{f.name}" for f in fields(GpuSample)}
+_GPU_FIELDS["util_kind"] = "gpu_util_kind"
+_GPU_FIELDS["lost"] = "gpu_lost"
+_ENGINE_FIELDS = {
+    "up": "engine_up",
+    "kv_cache_usage": "kv_cache_usage",
+    "num_waiting": "num_waiting",
+    "num_running": "num_running",
+    "prefix_cache_queries": "prefix_cache_queries_total",
+    "prefix_cache_hits": "prefix_cache_hits_total",
+    "preemptions_total": "preemptions_total",
+}
+_INT_FIELDS = {"mem_used_bytes", "mem_total_bytes", "throttle_reasons", "xid_errors", "ecc_uncorrected",
+               "retired_pages"}
+
+
+def _put(out: dict[str, str], key: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool):
+        out[key] = "1" if value else "0"
+    else:
+        out[key] = str(value)
+
+
+def encode(record: TelemetryRecord) -> dict[str, str]:
+    """The Redis hash fields for a record (absent signals are left out)."""
+    out: dict[str, str] = {}
+    _put(out, "schema", record.schema)
+    _put(out, "endpoint_id", record.endpoint_id)
+    _put(out, "reported_at", repr(record.reported_at))
+    _put(out, "seq", record.seq)
+    _put(out, "interval", record.interval)
+    _put(out, "gpu_source", record.gpu_source)
+    _put(out, "prefix_cache_hit_rate", record.prefix_cache_hit_rate)
+    for name, value in asdict(record.gpu).items():
+        _put(out, _GPU_FIELDS[name], value)
+    for name, value in asdict(record.engine).items():
+        _put(out, _ENGINE_FIELDS[name], value)
+    return out
+
+
+def _float(raw: Mapping[str, str], key: str) -> float | None:
+    value = raw.get(key)
+    if value is None or value == "":
+        return None
+    return float(value)
+
+
+def decode(raw: Mapping[str, str]) -> TelemetryRecord:
+    """A record from Redis hash fields. Raises SchemaMismatch for another version, ValueError if malformed."""
+    schema = raw.get("schema")
+    if schema != str(SCHEMA_VERSION):
+        raise SchemaMismatch(f"telemetry schema {schema!r}, this router reads {SCHEMA_VERSION}")
+    gpu_kwargs: dict[str, object] = {}
+    for name, key in _GPU_FIELDS.items():
+        if name == "util_kind":
+            gpu_kwargs[name] = raw.get(key, "utilization")
+        elif name == "lost":
+            gpu_kwargs[name] = raw.get(key) == "1"
+        else:
+            value = _float(raw, key)
+            gpu_kwargs[name] = int(value) if value is not None and name in _INT_FIELDS else value
+    engine_kwargs: dict[str, object] = {}
+    for name, key in _ENGINE_FIELDS.items():
+        engine_kwargs[name] = raw.get(key) == "1" if name == "up" else _float(raw, key)
+    return TelemetryRecord(
+        endpoint_id=raw["endpoint_id"],
+        reported_at=float(raw["reported_at"]),
+        seq=int(raw.get("seq", "0")),
+        interval=float(raw.get("interval", "1")),
+        gpu_source=raw.get("gpu_source", "none"),
+        gpu=GpuSample(**gpu_kwargs),  # type: ignore[arg-type]
+        engine=EngineSample(**engine_kwargs),  # type: ignore[arg-type]
+        prefix_cache_hit_rate=_float(raw, "prefix_cache_hit_rate"),
+    )

@@ -1,0 +1,73 @@
+"""Parsing an engine's Prometheus `/metrics` page (vLLM) into an `EngineSample`.
+
+A pure wire-format module (no I/O), shared by the worker agent and the router's embedded collector; with
+`protocol` it is the only worker code the router imports.
+
+vLLM's series, across versions (V0 `vllm/engine/metrics.py`, V1 `vllm/v1/metrics/loggers.py`):
+
+    vllm:num_requests_waiting          gauge    requests queued for admission
+    vllm:num_requests_running          gauge    requests in the running batch
+    vllm:kv_cache_usage_perc           gauge    KV-cache blocks in use, 0..1 (V1)
+    vllm:gpu_cache_usage_perc          gauge    the same, V0 name (fallback)
+    vllm:prefix_cache_queries_total    counter  tokens looked up in the prefix cache (V1)
+    vllm:prefix_cache_hits_total       counter  of which found (V1)
+    vllm:num_preemptions_total         counter  preemptions
+
+Series carry labels (`model_name`, `engine` for data-parallel ranks): counts are summed across series,
+the usage fraction is averaged. A family that is missing (older or newer vLLM, a renamed series) leaves its
+signal None rather than failing the whole scrape. Only the lines of these families are handed to
+prometheus-client's parser: a vLLM page is large (a histogram per latency) and scrapes must stay cheap.
+"""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from worker.protocol import EngineSample
+
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+PREFIX_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_HITS = "vllm:prefix_cache_hits"
+PREEMPTIONS = "vllm:num_preemptions"
+_FAMILIES = (WAITING, RUNNING, *KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS)
+_SAMPLE_NAMES = {WAITING, RUNNING, *KV_USAGE, f"{PREFIX_QUERIES}_total", f"{PREFIX_HITS}_total",
+                 f"{PREEMPTIONS}_total"}
+
+
+def _relevant_lines(text: str) -> str:
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("# "):
+            parts = line.split(" ", 3)
+            if len(parts) > 2 and parts[2].removesuffix("_total") in _FAMILIES:
+                keep.append(line)
+        elif line.startswith(_FAMILIES):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in _SAMPLE_NAMES:
+                keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def parse_vllm_metrics(text: str) -> EngineSample:
+    """An `EngineSample` from a metrics page; raises ValueError if the page is not Prometheus text."""
+    values: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(_relevant_lines(text)):
+        for sample in family.samples:
+            if sample.name in _SAMPLE_NAMES:
+                values.setdefault(sample.name.removesuffix("_total"), []).append(float(sample.value))
+
+    def total(name: str) -> float | None:
+        return sum(values[name]) if name in values else None
+
+    kv = next((values[name] for name in KV_USAGE if name in values), None)
+    return EngineSample(
+        up=True,
+        kv_cache_usage=sum(kv) / len(kv) if kv else None,
+        num_waiting=total(WAITING),
+        num_running=total(RUNNING),
+        prefix_cache_queries=total(PREFIX_QUERIES),
+        prefix_cache_hits=total(PREFIX_HITS),
+        preemptions_total=total(PREEMPTIONS),
+    )
