@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
+import redis.asyncio as aioredis
 from aiohttp import web
 
 from router.balancer import Balancer
@@ -26,6 +27,8 @@ from router.metrics import RouterMetrics
 from router.policies.registry import PolicyRegistry
 from router.proxy import Proxy
 from router.settings import Settings
+from router.shared_loads import SharedLoads
+from router.sticky import StickyTable
 from router.telemetry import EmbeddedCollection, MemoryStore, RedisStore, TelemetryFeed, run_feed
 
 log = logging.getLogger("fleetroute.app")
@@ -110,10 +113,56 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         await session.close()
 
 
+async def _shared_state(app: web.Application) -> AsyncIterator[None]:
+    """Session pins (local, plus Redis when configured) and in-flight counts shared between replicas."""
+    ctx = app[CONTEXT]
+    settings = ctx.settings
+    client = None
+    if settings.redis.url is not None:
+        # Pins are read on the request path (on a local miss): fail fast rather than make a request wait.
+        client = aioredis.from_url(settings.redis.url, decode_responses=True, socket_timeout=0.1,
+                                   socket_connect_timeout=0.1, retry_on_timeout=False)
+    for spec in settings.policies:
+        if spec.stickiness.enabled:
+            ctx.sticky[spec.name] = StickyTable(policy=spec.name, settings=spec.stickiness, metrics=ctx.metrics,
+                                                redis=client, clock=ctx.clock)
+    shared = SharedLoads(redis=client, loads=ctx.loads, metrics=ctx.metrics,
+                         interval=settings.telemetry.interval) if client is not None else None
+    ctx.shared_loads = shared
+    task = asyncio.create_task(_housekeeping(ctx, shared), name="fleetroute-housekeeping")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for table in ctx.sticky.values():
+            await table.close()
+        if client is not None:
+            await client.aclose()
+
+
+async def _housekeeping(ctx: RouterContext, shared: SharedLoads | None) -> None:
+    pinned_series: set[tuple[str, str]] = set()
+    while True:
+        if shared is not None:
+            await shared.exchange()
+        current: set[tuple[str, str]] = set()
+        for name, table in ctx.sticky.items():
+            for endpoint, count in table.sweep().items():
+                ctx.metrics.sticky_sessions.labels(name, endpoint).set(count)
+                current.add((name, endpoint))
+        for gone in pinned_series - current:
+            ctx.metrics.sticky_sessions.remove(*gone)
+        pinned_series = current
+        await asyncio.sleep(ctx.settings.telemetry.interval)
+
+
 def build_apps(ctx: RouterContext) -> tuple[web.Application, web.Application]:
     ingress = web.Application(client_max_size=ctx.settings.max_body_bytes, middlewares=[openai_errors])
     ingress[CONTEXT] = ctx
     ingress.cleanup_ctx.append(_upstream)
+    ingress.cleanup_ctx.append(_shared_state)
     add_ingress_routes(ingress)
     admin = web.Application(middlewares=[openai_errors])
     admin[CONTEXT] = ctx

@@ -25,6 +25,7 @@ from router.model import Endpoint, EndpointState, EndpointView, RequestInfo, Sna
 from router.policies.base import Picker
 from router.policies.registry import PolicyRegistry
 from router.settings import PolicySpec, default_policy
+from router.sticky import within_load_bound
 
 log = logging.getLogger("fleetroute.balancer")
 
@@ -55,6 +56,7 @@ class Balancer:
         self._aged: set[str] = set()  # endpoints with a telemetry_age series, removed when they leave
         self._pool_state: dict[tuple[str, str], Any] = {}
         self._pickers: dict[str, tuple[PolicySpec, Picker]] = {}
+        self._pools: dict[str, tuple[EndpointView, ...]] = {}  # serving endpoints per model
         self._decision_children: dict[tuple[str, str], Any] = {}
         self.snapshot = Snapshot.of(0, ())
         self._models: frozenset[str] = frozenset()
@@ -123,7 +125,9 @@ class Balancer:
             )
         snapshot = Snapshot.of(self.snapshot.version + 1, tuple(views))
         pickers: dict[str, tuple[PolicySpec, Picker]] = {}
+        pools: dict[str, tuple[EndpointView, ...]] = {}
         for model in snapshot.models():
+            pools[model] = snapshot.serving(model)
             spec = self.policy_for(model)
             policy = self._registry.get(spec.strategy)
             assert policy is not None, spec.strategy  # validated with the config
@@ -132,7 +136,7 @@ class Balancer:
                 self._pool_state[state_key] = policy.new_state()
             events = self._metrics.policy_events.labels  # bound once per pool, not per event
             picker = policy.build(
-                snapshot.serving(model),
+                pools[model],
                 spec.params,
                 self._pool_state[state_key],
                 self._rng,
@@ -141,6 +145,7 @@ class Balancer:
             pickers[model] = (spec, picker)
         self.snapshot = snapshot
         self._pickers = pickers
+        self._pools = pools
         self._models = frozenset(snapshot.models())
         self._metrics.rebuilds.inc()
         self._metrics.telemetry_unknown.set(unknown)
@@ -161,6 +166,17 @@ class Balancer:
             if spec.matches(model):
                 return spec
         return self._fallback
+
+    def sticky_candidate(self, model: str, endpoint_id: str, max_load_factor: float) -> tuple[EndpointView | None, str]:
+        """The pinned endpoint if it may still take the session's request, else None and why not:
+        `gone` (removed, draining or unhealthy) or `overloaded` (over the load bound)."""
+        pool = self._pools.get(model, ())
+        view = next((v for v in pool if v.id == endpoint_id), None)
+        if view is None:
+            return None, "gone"
+        if not within_load_bound(view, pool, self.loads, max_load_factor):
+            return None, "overloaded"
+        return view, "hit"
 
     def pick(self, req: RequestInfo, exclude: frozenset[str] = frozenset()) -> EndpointView | None:
         entry = self._pickers.get(req.model)

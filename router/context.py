@@ -20,6 +20,8 @@ from router.metrics import RouterMetrics
 from router.policies.registry import PolicyRegistry
 from router.proxy import Proxy
 from router.settings import Settings
+from router.shared_loads import SharedLoads
+from router.sticky import StickyTable
 
 
 @dataclass
@@ -32,6 +34,8 @@ class RouterContext:
     clock: Callable[[], float] = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
     proxy: Proxy | None = None  # set once the upstream client session exists (app start-up)
+    sticky: dict[str, StickyTable] = field(default_factory=dict)  # policy name -> session pins
+    shared_loads: SharedLoads | None = None  # with Redis: in-flight counts exchanged with other replicas
     # Set (and replaced) after each telemetry round has been applied: lets tests and tools wait for fresh
     # telemetry instead of sleeping.
     telemetry_round: asyncio.Event = field(default_factory=asyncio.Event)

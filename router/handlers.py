@@ -21,8 +21,9 @@ from aiohttp import web
 
 from router.context import CONTEXT, RouterContext
 from router.errors import error_response
-from router.model import EndpointState, RequestInfo
+from router.model import EndpointState, EndpointView, RequestInfo
 from router.proxy import Outcome, UpstreamUnreachable
+from router.sticky import StickyTable
 
 log = logging.getLogger("fleetroute.handlers")
 access_log = logging.getLogger("fleetroute.access")
@@ -139,10 +140,11 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
         return
     info = RequestInfo(model=model, request_id=request_id, headers=request.headers, body=payload)
     spec = balancer.policy_for(model)
+    pin = await _session_pin(ctx, spec.name, info)
     tried: frozenset[str] = frozenset()
     last_error = ""
     while len(tried) < spec.retries.attempts:
-        view = balancer.pick(info, tried)
+        view = _choose(ctx, info, tried, pin)
         if view is None:
             break
         if tried:
@@ -169,6 +171,45 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
         ctx, 503, f"no healthy endpoint is serving model `{model}` right now", code="no_endpoint",
         headers={"Retry-After": "1"},
     )
+
+
+@dataclass
+class _Pin:
+    """A request's session and the endpoint its session is pinned to (None: not pinned yet)."""
+
+    table: StickyTable
+    session: str
+    pinned: str | None
+    outcome: str | None = None
+
+
+async def _session_pin(ctx: RouterContext, policy: str, info: RequestInfo) -> _Pin | None:
+    table = ctx.sticky.get(policy)
+    if table is None:
+        return None
+    session = table.settings.session(info)
+    if session is None:
+        return None
+    return _Pin(table, session, await table.lookup(session))
+
+
+def _choose(ctx: RouterContext, info: RequestInfo, tried: frozenset[str], pin: _Pin | None) -> EndpointView | None:
+    """The session's pinned endpoint while it may take the request, else the policy's pick (re-pinned)."""
+    if pin is not None and pin.pinned is not None and pin.pinned not in tried:
+        view, outcome = ctx.balancer.sticky_candidate(info.model, pin.pinned, pin.table.settings.max_load_factor)
+        if pin.outcome is None:
+            pin.outcome = outcome
+            ctx.metrics.sticky_decisions.labels(pin.table.policy, outcome).inc()
+        if view is not None:
+            pin.table.pin(pin.session, view.id)
+            return view
+    view = ctx.balancer.pick(info, tried)
+    if pin is not None and view is not None:
+        if pin.outcome is None:
+            pin.outcome = "new"
+            ctx.metrics.sticky_decisions.labels(pin.table.policy, "new").inc()
+        pin.table.pin(pin.session, view.id)
+    return view
 
 
 def _too_large(ctx: RouterContext, limit: int) -> web.Response:

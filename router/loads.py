@@ -18,9 +18,17 @@ class LoadTracker:
     def __init__(self, metrics: RouterMetrics) -> None:
         self._counts: defaultdict[str, int] = defaultdict(int)
         self._gauge = metrics.in_flight
+        # Other router replicas' in-flight counts, as last read from shared state (empty without Redis).
+        self.others: dict[str, int] = {}
 
     def in_flight(self, endpoint_id: str) -> int:
         return self._counts.get(endpoint_id, 0)
+
+    def cluster_in_flight(self, endpoint_id: str) -> int:
+        return self._counts.get(endpoint_id, 0) + self.others.get(endpoint_id, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        return {k: v for k, v in self._counts.items() if v}
 
     def total(self) -> int:
         return sum(self._counts.values())

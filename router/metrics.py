@@ -128,6 +128,36 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.sticky_sessions = Gauge(
+            "fleetroute_sticky_sessions",
+            "Sessions pinned to each endpoint in this router's table (live, within their TTL).",
+            ["policy", "endpoint"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.sticky_decisions = Counter(
+            "fleetroute_sticky_decisions",
+            "Requests with a session key, by outcome: hit (kept its endpoint), new (first pin), gone "
+            "(pinned endpoint removed, draining or unhealthy: re-pinned), overloaded (over maxLoadFactor: re-pinned).",
+            ["policy", "outcome"],
+            registry=r,
+        )
+        self.sticky_store_errors = Counter(
+            "fleetroute_sticky_store_errors",
+            "Failed reads or writes of session pins in Redis (stickiness then uses this router's table).",
+            registry=r,
+        )
+        self.shared_state_errors = Counter(
+            "fleetroute_shared_loads_errors",
+            "Failed exchanges of in-flight counts with other router replicas through Redis.",
+            registry=r,
+        )
+        self.router_replicas = Gauge(
+            "fleetroute_router_replicas",
+            "Router replicas sharing in-flight counts through Redis (this one included).",
+            multiprocess_mode="max",
+            registry=r,
+        )
         self.rebuilds = Counter(
             "fleetroute_snapshot_rebuilds",
             "Routing snapshots (and pickers) rebuilt after endpoint, state or telemetry changes.",

@@ -23,7 +23,9 @@ import yaml
 
 from router.model import Endpoint
 from router.policies.base import PolicyConfigError
+from router.policies.consistent_hash import parse_key
 from router.policies.registry import PolicyRegistry
+from router.sticky import StickinessSettings
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 ENDPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -71,6 +73,7 @@ class PolicySpec:
     params: Any  # the strategy's frozen config, parsed by the strategy itself
     timeouts: Timeouts = Timeouts()
     retries: Retries = Retries()
+    stickiness: StickinessSettings = StickinessSettings()
 
     def matches(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
@@ -279,6 +282,7 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     r = f.sub("retries")
     retries = Retries(attempts=r.integer("attempts", Retries.attempts, minimum=1, maximum=10))
     r.done()
+    stickiness = _stickiness(f.sub("stickiness"))
     f.done()
     return PolicySpec(
         name=name,
@@ -287,7 +291,30 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
         params=params,
         timeouts=timeouts,
         retries=retries,
+        stickiness=stickiness,
     )
+
+
+def _stickiness(f: _Fields) -> StickinessSettings:
+    defaults = StickinessSettings()
+    enabled = f.boolean("enabled", bool(f.raw))  # a stickiness block turns it on unless it says otherwise
+    keys = []
+    for field_name, default in (("key", "header:x-session-id"), ("fallbackKey", "body:user")):
+        raw = f.get(field_name, default)
+        if raw is None and field_name == "fallbackKey":
+            keys.append(None)
+            continue
+        try:
+            keys.append(parse_key(raw))
+        except PolicyConfigError as exc:
+            raise ConfigError(f.at(field_name), exc.message) from None
+    ttl = f.duration("ttl", defaults.ttl)
+    factor = f.get("maxLoadFactor", defaults.max_load_factor)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 1:
+        raise ConfigError(f.at("maxLoadFactor"), f"must be a number > 1, got {_show(factor)}")
+    f.done()
+    return StickinessSettings(enabled=enabled, key=keys[0], fallback_key=keys[1], ttl=ttl,
+                              max_load_factor=float(factor))
 
 
 def _redis(top: _Fields) -> RedisSettings:

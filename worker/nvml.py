@@ -85,6 +85,12 @@ def _optional(name: str) -> Callable[..., Any] | None:
     return getattr(pynvml, name, None)
 
 
+def _call(name: str, *args: Any) -> tuple[str, Callable[[], Any] | None]:
+    """A way of reading for _Reading: pynvml's `name` applied to args, or None where the binding lacks it."""
+    fn = _optional(name)
+    return name, (None if fn is None else lambda: fn(*args))
+
+
 def _quietly(what: str, fn: Callable[..., Any], *args: Any) -> None:
     """Release something; a failure there changes nothing for the caller, so it is only logged."""
     try:
@@ -297,27 +303,21 @@ class NvmlSampler:
             ("nvmlDeviceGetMemoryInfo_v2", lambda: _used_total(handle, pynvml.nvmlMemory_v2)),
             ("nvmlDeviceGetMemoryInfo", lambda: _used_total(handle, None)),
         )
-        temperature_v, temperature = _optional("nvmlDeviceGetTemperatureV"), pynvml.nvmlDeviceGetTemperature
         self._temperature = _Reading(
             gpu, "temperature",
-            ("nvmlDeviceGetTemperatureV",
-             temperature_v and (lambda: temperature_v(handle, pynvml.NVML_TEMPERATURE_GPU))),
-            ("nvmlDeviceGetTemperature", lambda: temperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
+            _call("nvmlDeviceGetTemperatureV", handle, pynvml.NVML_TEMPERATURE_GPU),
+            _call("nvmlDeviceGetTemperature", handle, pynvml.NVML_TEMPERATURE_GPU),
         )
-        self._power_mw = _Reading(
-            gpu, "power", ("nvmlDeviceGetPowerUsage", lambda: pynvml.nvmlDeviceGetPowerUsage(handle)),
-        )
-        events_fn = _optional("nvmlDeviceGetCurrentClocksEventReasons")
-        throttle_fn = _optional("nvmlDeviceGetCurrentClocksThrottleReasons")
+        self._power_mw = _Reading(gpu, "power", _call("nvmlDeviceGetPowerUsage", handle))
         self._clock_reasons = _Reading(
             gpu, "clocks event reasons",
-            ("nvmlDeviceGetCurrentClocksEventReasons", events_fn and (lambda: events_fn(handle))),
-            ("nvmlDeviceGetCurrentClocksThrottleReasons", throttle_fn and (lambda: throttle_fn(handle))),
+            _call("nvmlDeviceGetCurrentClocksEventReasons", handle),
+            _call("nvmlDeviceGetCurrentClocksThrottleReasons", handle),
         )
         self._ecc = _Reading(
             gpu, "ECC errors",
-            ("nvmlDeviceGetTotalEccErrors", lambda: pynvml.nvmlDeviceGetTotalEccErrors(
-                handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)),
+            _call("nvmlDeviceGetTotalEccErrors", handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                  pynvml.NVML_VOLATILE_ECC),
         )
         self._retired = _Reading(
             gpu, "retired pages",

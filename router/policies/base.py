@@ -32,9 +32,16 @@ EventSink = Callable[[str], None]
 
 
 class LoadView(Protocol):
-    """Router-local live load, updated on the event loop as requests start and finish."""
+    """Live load, updated on the event loop as requests start and finish."""
 
-    def in_flight(self, endpoint_id: str) -> int: ...
+    def in_flight(self, endpoint_id: str) -> int:
+        """Requests this router has in flight at the endpoint (exact, now)."""
+        ...
+
+    def cluster_in_flight(self, endpoint_id: str) -> int:
+        """This router's in-flight requests plus the other replicas' as last shared (Redis); equals
+        `in_flight` when no state is shared."""
+        ...
 
 
 class Picker(Protocol):

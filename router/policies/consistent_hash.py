@@ -10,12 +10,19 @@ the key has no affinity to preserve, so it falls back to least-connections (coun
 `hash_key_missing` policy event). When the key's endpoint is excluded (it just failed) the ring is walked
 to the next endpoint, which is where the key would move if that endpoint left.
 
+With `maxLoadFactor: c` (e.g. 1.25) it becomes consistent hashing with bounded loads: an endpoint holding
+`ceil(c * (total in flight + 1) / n)` requests or more takes no new ones, and the key walks the ring to the
+next endpoint under the bound (counted as `load_bound_overflow`). Hot keys then spill over instead of
+piling onto one GPU, while every other key keeps its endpoint. `total` counts requests in flight at all
+router replicas when they share Redis (`LoadView.cluster_in_flight`), this router's alone otherwise.
+
 The ring is built once per membership and kept in the pool state: telemetry-only rebuilds reuse it
 (the vLLM production-stack router rebuilt its ring per request; we do not).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -51,6 +58,10 @@ class HashKey:
 @dataclass(frozen=True)
 class ConsistentHashConfig:
     key: HashKey
+    # Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018; as in Envoy and HAProxy):
+    # no endpoint takes a new request while it holds ceil(c * (total + 1) / n) or more, where total counts
+    # in-flight requests across all router replicas. None: plain consistent hashing.
+    max_load_factor: float | None = None
 
 
 def parse_key(raw: Any) -> HashKey:
@@ -79,21 +90,28 @@ class RingState:
         return self.ring
 
 
+def load_bound(views: tuple[EndpointView, ...], loads: LoadView, factor: float) -> int:
+    """The most requests an endpoint may hold before new keys overflow to the next one on the ring."""
+    total = sum(loads.cluster_in_flight(v.id) for v in views)
+    return max(1, math.ceil(factor * (total + 1) / max(len(views), 1)))
+
+
 class ConsistentHashPicker:
-    __slots__ = ("_views", "_by_id", "_ring", "_key", "_rng", "_events")
+    __slots__ = ("_views", "_by_id", "_ring", "_key", "_factor", "_rng", "_events")
 
     def __init__(
         self,
         views: tuple[EndpointView, ...],
         ring: HashRing | None,
-        key: HashKey,
+        config: ConsistentHashConfig,
         rng: random.Random,
         events: EventSink,
     ) -> None:
         self._views = views
         self._by_id = {v.id: v for v in views}
         self._ring = ring
-        self._key = key
+        self._key = config.key
+        self._factor = config.max_load_factor
         self._rng = rng
         self._events = events
 
@@ -103,6 +121,8 @@ class ConsistentHashPicker:
             if key is None:
                 self._events("hash_key_missing")
             return least_loaded(self._views, loads, exclude, self._rng)
+        if self._factor is not None:
+            return self._pick_bounded(key, loads, exclude, self._factor)
         node = self._ring.get_node(key)
         if node not in exclude:
             return self._by_id[node]
@@ -111,14 +131,33 @@ class ConsistentHashPicker:
                 return self._by_id[node]
         return None
 
+    def _pick_bounded(self, key: str, loads: LoadView, exclude: frozenset[str], factor: float) -> EndpointView | None:
+        assert self._ring is not None
+        bound = load_bound(self._views, loads, factor)
+        first = True
+        for node in self._ring.iterate_nodes(key):
+            if node not in exclude and loads.cluster_in_flight(node) < bound:
+                if not first:
+                    self._events("load_bound_overflow")
+                return self._by_id[node]
+            first = False
+        # Every endpoint is at the bound (only possible with exclusions): the least loaded one.
+        return least_loaded(self._views, loads, exclude, self._rng)
+
 
 class ConsistentHashPolicy:
     name = "consistent-hash"
     config_key = "consistentHash"
 
     def parse(self, params: Mapping[str, Any]) -> ConsistentHashConfig:
-        reject_unknown(params, {"key"})
-        return ConsistentHashConfig(key=parse_key(params.get("key", "header:x-session-id")))
+        reject_unknown(params, {"key", "maxLoadFactor"})
+        factor = params.get("maxLoadFactor")
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 1):
+            raise PolicyConfigError("maxLoadFactor", f"must be a number > 1 (e.g. 1.25) or null, got {factor!r}")
+        return ConsistentHashConfig(
+            key=parse_key(params.get("key", "header:x-session-id")),
+            max_load_factor=float(factor) if factor is not None else None,
+        )
 
     def new_state(self) -> RingState:
         return RingState()
@@ -132,4 +171,4 @@ class ConsistentHashPolicy:
         events: EventSink,
     ) -> ConsistentHashPicker:
         members = tuple(sorted(v.id for v in views))
-        return ConsistentHashPicker(views, state.ring_for(members), config.key, rng, events)
+        return ConsistentHashPicker(views, state.ring_for(members), config, rng, events)
