@@ -19,6 +19,8 @@ import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from router import auth
+from router.admission import Admission
 from router.balancer import Balancer
 from router.context import CONTEXT, RouterContext
 from router.handlers import add_admin_routes, add_ingress_routes, openai_errors
@@ -56,8 +58,12 @@ def build_context(
     )
     balancer.set_endpoints(settings.endpoints)  # static discovery
     balancer.rebuild()
+    admission = Admission(balancer=balancer, loads=loads, metrics=metrics, clock=clock)
+    loads.on_release = admission.released  # a slot freed: wake the best queued request
+    balancer.on_rebuild = admission.rebuilt  # endpoints resumed, joined or recovered: maybe more slots
     return RouterContext(
-        settings=settings, metrics=metrics, loads=loads, balancer=balancer, registry=registry, clock=clock, rng=rng
+        settings=settings, metrics=metrics, loads=loads, balancer=balancer, registry=registry, admission=admission,
+        clock=clock, rng=rng,
     )
 
 
@@ -76,9 +82,15 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         cookie_jar=aiohttp.DummyCookieJar(),  # a proxy must not keep one client's cookies for the next
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
     )
-    ctx.proxy = Proxy(session=session, loads=ctx.loads, metrics=ctx.metrics)
+    ctx.proxy = Proxy(session=session, loads=ctx.loads, metrics=ctx.metrics,
+                      credentials=auth.upstream_credentials(ctx.settings.auth))
+    ctx.http = session
     telemetry = ctx.settings.telemetry
-    tasks: list[asyncio.Task[None]] = []
+    tasks: list[asyncio.Task[None]] = [
+        asyncio.create_task(_active_health(ctx, name), name=f"health-{name}")
+        for name, pool in ctx.balancer.health.items()
+        if pool.settings.active.enabled
+    ]
     redis_store = None
     if telemetry.enabled:
         wake = asyncio.Event()
@@ -113,6 +125,33 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         await session.close()
 
 
+async def health_round(ctx: RouterContext, policy: str) -> None:
+    """Probe every endpoint of one policy once and apply the results."""
+    pool = ctx.balancer.health[policy]
+    endpoints = ctx.balancer.endpoints_for_policy(policy)
+    assert ctx.http is not None
+    results = await asyncio.gather(*(pool.active.probe(ctx.http, ep) for ep in endpoints))
+    changed = False
+    for ep, (ok, error) in zip(endpoints, results, strict=True):
+        ctx.metrics.health_checks.labels(policy, ep.id, "pass" if ok else "fail").inc()
+        flipped = pool.active.observe(ep.id, ok, error)
+        if flipped is not None:
+            changed = True
+            (log.info if flipped else log.warning)(
+                "endpoint passed its health checks again" if flipped else "endpoint failed its health checks",
+                extra={"policy": policy, "endpoint": ep.id, "error": error or None},
+            )
+    if changed:
+        ctx.balancer.rebuild()
+
+
+async def _active_health(ctx: RouterContext, policy: str) -> None:
+    interval = ctx.balancer.health[policy].settings.active.interval
+    while True:  # endpoints start healthy; the first probes run one interval after start-up
+        await asyncio.sleep(interval)
+        await health_round(ctx, policy)
+
+
 async def _shared_state(app: web.Application) -> AsyncIterator[None]:
     """Session pins (local, plus Redis when configured) and in-flight counts shared between replicas."""
     ctx = app[CONTEXT]
@@ -145,6 +184,7 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
 async def _housekeeping(ctx: RouterContext, shared: SharedLoads | None) -> None:
     pinned_series: set[tuple[str, str]] = set()
     while True:
+        ctx.balancer.tick()  # slow-start ramps, ejections and open breakers expire with time
         if shared is not None:
             await shared.exchange()
         current: set[tuple[str, str]] = set()
@@ -159,12 +199,13 @@ async def _housekeeping(ctx: RouterContext, shared: SharedLoads | None) -> None:
 
 
 def build_apps(ctx: RouterContext) -> tuple[web.Application, web.Application]:
-    ingress = web.Application(client_max_size=ctx.settings.max_body_bytes, middlewares=[openai_errors])
+    protect = auth.ingress_middlewares(ctx.settings.auth, ctx.metrics)  # client API keys, when configured
+    ingress = web.Application(client_max_size=ctx.settings.max_body_bytes, middlewares=[openai_errors, *protect])
     ingress[CONTEXT] = ctx
     ingress.cleanup_ctx.append(_upstream)
     ingress.cleanup_ctx.append(_shared_state)
     add_ingress_routes(ingress)
-    admin = web.Application(middlewares=[openai_errors])
+    admin = web.Application(middlewares=[openai_errors, *auth.admin_middlewares(ctx.settings.auth, ctx.metrics)])
     admin[CONTEXT] = ctx
     add_admin_routes(admin)
     return ingress, admin
@@ -202,8 +243,10 @@ async def start_router(ctx: RouterContext, *, reuse_port: bool = False) -> Runni
         access_log=None,  # our access log is structured and written by the handler
         handler_cancellation=True,  # a client disconnect cancels the handler, which cancels upstream
         shutdown_timeout=settings.shutdown_grace,
+        **auth.server_options(settings.max_header_bytes),  # header size limits, no header bytes in logs
     )
-    admin_runner = web.AppRunner(admin, access_log=None, shutdown_timeout=1.0)
+    admin_runner = web.AppRunner(admin, access_log=None, shutdown_timeout=1.0,
+                                 **auth.server_options(settings.max_header_bytes))
     await ingress_runner.setup()
     await admin_runner.setup()
     try:

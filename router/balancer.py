@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from router.health.gpu import GpuHealth
+from router.health.pool import PoolHealth
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
 from router.model import Endpoint, EndpointState, EndpointView, RequestInfo, Snapshot, Telemetry
@@ -45,6 +47,12 @@ class Balancer:
         self._policies = tuple(policies)
         self._registry = registry
         self._fallback = default_policy(registry)
+        # Health state per policy (its settings are per policy); GPU faults are per endpoint, shared.
+        self.gpu_health = GpuHealth()
+        self.health: dict[str, PoolHealth] = {
+            spec.name: PoolHealth(spec.name, spec.health, metrics, self.gpu_health)
+            for spec in (*self._policies, self._fallback)
+        }
         self._metrics = metrics
         self.loads = loads
         self._stale_after = stale_after
@@ -61,6 +69,7 @@ class Balancer:
         self.snapshot = Snapshot.of(0, ())
         self._models: frozenset[str] = frozenset()
         self._rebuild_scheduled = False
+        self.on_rebuild: Callable[[], None] | None = None  # after each swap (admission re-checks capacity)
 
     # ---- inputs -------------------------------------------------------------------------------------
 
@@ -70,6 +79,9 @@ class Balancer:
         for gone in previous - set(self._endpoints):
             self._telemetry.pop(gone, None)
             self._states.pop(gone, None)
+            self.gpu_health.forget(gone)
+            for pool in self.health.values():
+                pool.forget(gone)
             if gone in self._aged:
                 self._aged.discard(gone)
                 self._metrics.telemetry_age.remove(gone)
@@ -78,6 +90,7 @@ class Balancer:
     def report_telemetry(self, endpoint_id: str, telemetry: Telemetry) -> None:
         if endpoint_id in self._endpoints:
             self._telemetry[endpoint_id] = telemetry
+            self.gpu_health.observe(endpoint_id, telemetry, self._clock())
 
     def set_state(self, endpoint_id: str, state: EndpointState) -> bool:
         if endpoint_id not in self._endpoints:
@@ -127,8 +140,8 @@ class Balancer:
         pickers: dict[str, tuple[PolicySpec, Picker]] = {}
         pools: dict[str, tuple[EndpointView, ...]] = {}
         for model in snapshot.models():
-            pools[model] = snapshot.serving(model)
             spec = self.policy_for(model)
+            pools[model] = self.health[spec.name].admit(model, snapshot.serving(model), now)
             policy = self._registry.get(spec.strategy)
             assert policy is not None, spec.strategy  # validated with the config
             state_key = (spec.name, model)
@@ -151,6 +164,8 @@ class Balancer:
         self._metrics.telemetry_unknown.set(unknown)
         for state in EndpointState:
             self._metrics.endpoints.labels(state.value).set(sum(1 for v in views if v.state is state))
+        if self.on_rebuild is not None:
+            self.on_rebuild()
 
     # ---- request path ---------------------------------------------------------------------------------
 
@@ -160,12 +175,55 @@ class Balancer:
     def serves(self, model: str) -> bool:
         return model in self._models
 
+    def candidates(self, model: str) -> tuple[EndpointView, ...]:
+        """What the model's picker chooses from now: serving and healthy endpoints (all, in panic mode)."""
+        return self._pools.get(model, ())
+
     def policy_for(self, model: str) -> PolicySpec:
         """The first configured policy whose `models` patterns match; the built-in default otherwise."""
         for spec in self._policies:
             if spec.matches(model):
                 return spec
         return self._fallback
+
+    # ---- health ---------------------------------------------------------------------------------------
+
+    def acquire(self, spec: PolicySpec, endpoint_id: str) -> tuple[bool, bool]:
+        """May a request go to the endpoint (its breaker's half-open probe slots)? (allowed, is a probe)"""
+        return self.health[spec.name].acquire(endpoint_id, self._clock())
+
+    def report_outcome(self, spec: PolicySpec, model: str, endpoint_id: str, ok: bool, kind: str, *,
+                       probe: bool) -> None:
+        pool_size = len(self.snapshot.serving(model)) or 1
+        if self.health[spec.name].report(endpoint_id, ok, kind, self._clock(), pool_size, probe=probe):
+            self.rebuild()  # an ejection or a breaker trip takes effect for the very next request
+
+    def health_report(self, endpoint_id: str) -> dict[str, dict[str, object]]:
+        """Per policy: why the endpoint is excluded (or null), its breaker state and slow-start weight."""
+        now = self._clock()
+        return {
+            name: {
+                "excluded": pool.exclusion(endpoint_id, now),
+                "breaker": pool.breaker(endpoint_id).current(now).value if pool.settings.breaker.enabled else None,
+                "slow_start_weight": round(pool.slow_start.factor(endpoint_id, now), 3),
+                "health_check_error": pool.active.last_error(endpoint_id) or None,
+            }
+            for name, pool in self.health.items()
+            if any(self.policy_for(m).name == name for m in self._endpoints[endpoint_id].models)
+        }
+
+    def has_alternative(self, model: str, exclude: frozenset[str]) -> bool:
+        """Is there an endpoint for the model outside `exclude` (something a retry could go to)?"""
+        return any(v.id not in exclude for v in self._pools.get(model, ()))
+
+    def tick(self) -> None:
+        """Rebuild if time alone changes routability (slow-start ramps, ejections and breakers expiring)."""
+        if any(pool.needs_ticks() for pool in self.health.values()):
+            self.rebuild()
+
+    def endpoints_for_policy(self, name: str) -> list[Endpoint]:
+        """Endpoints serving at least one model routed by the named policy (what its health checks probe)."""
+        return [ep for ep in self._endpoints.values() if any(self.policy_for(m).name == name for m in ep.models)]
 
     def sticky_candidate(self, model: str, endpoint_id: str, max_load_factor: float) -> tuple[EndpointView | None, str]:
         """The pinned endpoint if it may still take the session's request, else None and why not:

@@ -12,13 +12,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import aiohttp
 from aiohttp import web
 
+from router.admission import Admission
 from router.balancer import Balancer
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
 from router.policies.registry import PolicyRegistry
 from router.proxy import Proxy
+from router.retry_budget import RetryBudget
 from router.settings import Settings
 from router.shared_loads import SharedLoads
 from router.sticky import StickyTable
@@ -31,11 +34,14 @@ class RouterContext:
     loads: LoadTracker
     balancer: Balancer
     registry: PolicyRegistry
+    admission: Admission  # priority queues of policies that cap endpoint concurrency
     clock: Callable[[], float] = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
     proxy: Proxy | None = None  # set once the upstream client session exists (app start-up)
+    http: aiohttp.ClientSession | None = None  # the pooled upstream session (proxy, probes, telemetry)
     sticky: dict[str, StickyTable] = field(default_factory=dict)  # policy name -> session pins
     shared_loads: SharedLoads | None = None  # with Redis: in-flight counts exchanged with other replicas
+    retry_budget: RetryBudget = field(default_factory=RetryBudget)
     # Set (and replaced) after each telemetry round has been applied: lets tests and tools wait for fresh
     # telemetry instead of sleeping.
     telemetry_round: asyncio.Event = field(default_factory=asyncio.Event)

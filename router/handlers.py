@@ -11,6 +11,7 @@ that shape plus a log line, never a stack trace to the client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -22,7 +23,7 @@ from aiohttp import web
 from router.context import CONTEXT, RouterContext
 from router.errors import error_response
 from router.model import EndpointState, EndpointView, RequestInfo
-from router.proxy import Outcome, UpstreamUnreachable
+from router.proxy import Outcome, UpstreamFailed
 from router.sticky import StickyTable
 
 log = logging.getLogger("fleetroute.handlers")
@@ -141,36 +142,72 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     info = RequestInfo(model=model, request_id=request_id, headers=request.headers, body=payload)
     spec = balancer.policy_for(model)
     pin = await _session_pin(ctx, spec.name, info)
-    tried: frozenset[str] = frozenset()
-    last_error = ""
-    while len(tried) < spec.retries.attempts:
-        view = _choose(ctx, info, tried, pin)
+    # Admission (router/admission.py): None unless the policy caps endpoint concurrency. No await may come
+    # between `admit` and the forward below, which is what marks the admitted request in flight.
+    admission = ctx.admission.pool(spec, model)
+    if admission is not None and (shed := await admission.admit(request_id, request.headers)) is not None:
+        served.response = shed
+        return
+    tried: frozenset[str] = frozenset()  # endpoints that failed this request
+    denied: frozenset[str] = frozenset()  # endpoints whose half-open breaker had no probe slot free
+    failure: UpstreamFailed | None = None
+    retries = spec.retries
+    deadline = started + spec.timeouts.total if spec.timeouts.total is not None else None
+    while len(tried) < retries.attempts:
+        view = _choose(ctx, info, tried | denied if admission is None else admission.exclude(tried | denied), pin)
         if view is None:
             break
-        if tried:
+        allowed, probe = balancer.acquire(spec, view.id)
+        if not allowed:
+            denied |= {view.id}
+            continue
+        retry = bool(tried)
+        if retry and not ctx.retry_budget.allows(ctx.loads.total(), retries.budget_percent, retries.min_concurrency):
+            ctx.metrics.retry_budget_exhausted.labels(model).inc()
+            break
+        if retry:
             ctx.metrics.retries.labels(model).inc()
         served.attempts = len(tried) + 1
         served.endpoint = view.id
         try:
-            served.outcome = await ctx.proxy.forward(
-                request, view, body, request_id=request_id, timeouts=spec.timeouts, started=started
-            )
-        except UpstreamUnreachable as exc:
+            with ctx.retry_budget.spend() if retry else contextlib.nullcontext():
+                served.outcome = await ctx.proxy.forward(
+                    request, view, body, request_id=request_id, timeouts=spec.timeouts, started=started,
+                    retryable=len(tried) + 1 < retries.attempts
+                    and balancer.has_alternative(model, tried | denied | {view.id}),
+                    deadline=deadline,
+                )
+        except UpstreamFailed as exc:
+            balancer.report_outcome(spec, model, view.id, False, exc.kind, probe=probe)
             tried |= {view.id}
-            last_error = f"{view.id}: {exc}"
+            failure = exc
             continue
-        served.response = served.outcome.response
+        outcome = served.outcome
+        failed = outcome.status >= 500 or outcome.error in FAILURE_KINDS
+        balancer.report_outcome(spec, model, view.id, not failed, outcome.error or "http_5xx", probe=probe)
+        served.response = outcome.response
         return
-    if tried:
-        served.response = error_response(
-            502, f"could not connect to any endpoint for model `{model}` (last: {last_error})",
-            code="upstream_unreachable",
-        )
+    if failure is not None:
+        served.response = _failed_response(model, failure, tried)
         return
     served.response = _reject(
         ctx, 503, f"no healthy endpoint is serving model `{model}` right now", code="no_endpoint",
         headers={"Retry-After": "1"},
     )
+
+
+# Outcomes that count against an endpoint (a client disconnect does not).
+FAILURE_KINDS = frozenset({"timeout", "idle_timeout", "total_timeout", "disconnect"})
+
+
+def _failed_response(model: str, failure: UpstreamFailed, tried: frozenset[str]) -> web.Response:
+    """Every endpoint tried failed before answering (or no retry was left): say so, with the last reason."""
+    where = f"{len(tried)} endpoint(s) tried for model `{model}`; last: {failure}"
+    if failure.kind == "timeout":
+        return error_response(504, f"no answer in time: {where}", code="upstream_timeout")
+    if failure.kind == "http_5xx":
+        return error_response(502, f"upstream error: {where}", code="upstream_error")
+    return error_response(502, f"could not connect: {where}", code="upstream_unreachable")
 
 
 @dataclass
@@ -280,6 +317,7 @@ async def list_endpoints(request: web.Request) -> web.Response:
                 "models": list(view.endpoint.models),
                 "state": view.state.value,
                 "in_flight": ctx.loads.in_flight(view.id),
+                "health": ctx.balancer.health_report(view.id),
                 "telemetry": None if t is None else {
                     "source": t.source,
                     "age_s": round(now - t.reported_at, 3),

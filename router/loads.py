@@ -8,7 +8,7 @@ headers arrive: a streaming completion is load on the engine until its last toke
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from router.metrics import RouterMetrics
@@ -20,6 +20,8 @@ class LoadTracker:
         self._gauge = metrics.in_flight
         # Other router replicas' in-flight counts, as last read from shared state (empty without Redis).
         self.others: dict[str, int] = {}
+        # Called with the endpoint id whenever a request's in-flight ends (admission hands the slot on).
+        self.on_release: Callable[[str], None] | None = None
 
     def in_flight(self, endpoint_id: str) -> int:
         return self._counts.get(endpoint_id, 0)
@@ -43,3 +45,5 @@ class LoadTracker:
         finally:
             self._counts[endpoint_id] -= 1
             gauge.dec()
+            if self.on_release is not None:
+                self.on_release(endpoint_id)

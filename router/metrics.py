@@ -67,7 +67,7 @@ class RouterMetrics:
         self.upstream_errors = Counter(
             "fleetroute_upstream_errors",
             "Failures talking to endpoints, by kind: connect, connect_timeout, timeout (no response headers within "
-            "firstByte), "
+            "firstByte), http_5xx, "
             "idle_timeout (a stream stalled), disconnect (endpoint closed mid-response), client_disconnect.",
             ["endpoint", "kind"],
             registry=r,
@@ -81,7 +81,8 @@ class RouterMetrics:
         self.rejected = Counter(
             "fleetroute_rejected_requests",
             "Requests refused by the router itself, by reason (invalid_json, missing_model, "
-            "model_not_found, body_too_large, method_not_allowed, not_found, no_endpoint).",
+            "model_not_found, body_too_large, method_not_allowed, not_found, no_endpoint, invalid_api_key, "
+            "invalid_admin_token).",
             ["reason"],
             registry=r,
         )
@@ -158,9 +159,91 @@ class RouterMetrics:
             multiprocess_mode="max",
             registry=r,
         )
+        self.panic = Gauge(
+            "fleetroute_panic_mode",
+            "1 while a policy's pool for a model has too few healthy endpoints and routes to all of them.",
+            ["policy", "model"],
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.slow_start_weight = Gauge(
+            "fleetroute_slow_start_weight",
+            "An endpoint's slow-start weight factor (ramps from minWeight to 1 after it joins or recovers).",
+            ["policy", "endpoint"],
+            multiprocess_mode="min",
+            registry=r,
+        )
+        self.excluded = Gauge(
+            "fleetroute_endpoint_excluded",
+            "1 while an endpoint takes no requests of a policy, by reason: health_check, gpu_lost, "
+            "thermal_throttling, xid_errors, ecc_errors, ejected, breaker_open.",
+            ["policy", "endpoint", "reason"],
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.ejections = Counter(
+            "fleetroute_outlier_ejections",
+            "Endpoints ejected by passive outlier detection, by the kind of the failure that tipped it.",
+            ["policy", "endpoint", "reason"],
+            registry=r,
+        )
+        self.breaker_transitions = Counter(
+            "fleetroute_breaker_transitions",
+            "Circuit breaker state changes, by the state entered (open, half_open, closed).",
+            ["policy", "endpoint", "state"],
+            registry=r,
+        )
+        self.breaker_state = Gauge(
+            "fleetroute_breaker_state",
+            "Circuit breaker state per endpoint: 0 closed, 1 half-open, 2 open.",
+            ["policy", "endpoint"],
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.health_checks = Counter(
+            "fleetroute_health_checks",
+            "Active health check probes, by result (pass, fail).",
+            ["policy", "endpoint", "result"],
+            registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            "fleetroute_retry_budget_exhausted",
+            "Retries not made because the retry budget (a share of requests in flight) was used up.",
+            ["model"],
+            registry=r,
+        )
         self.rebuilds = Counter(
             "fleetroute_snapshot_rebuilds",
             "Routing snapshots (and pickers) rebuilt after endpoint, state or telemetry changes.",
+            registry=r,
+        )
+        # Admission control (router/admission.py): only policies with admission.maxConcurrentPerEndpoint.
+        self.admission_queue_depth = Gauge(
+            "fleetroute_admission_queue_depth",
+            "Requests waiting in a model's admission queue for a free endpoint slot, by model and priority class.",
+            ["model", "priority"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.admission_admitted = Counter(
+            "fleetroute_admission_admitted",
+            "Requests let through a capped pool's admission, at once or after waiting, by model and priority class.",
+            ["model", "priority"],
+            registry=r,
+        )
+        self.admission_shed = Counter(
+            "fleetroute_admission_shed",
+            "Requests shed by admission control, by reason: deadline (waited past its deadline), queue_full (the "
+            "queue was full of requests of the same or higher priority), evicted (dropped from a full queue for a "
+            "higher-priority request).",
+            ["model", "priority", "reason"],
+            registry=r,
+        )
+        self.admission_wait = Histogram(
+            "fleetroute_admission_queue_wait_seconds",
+            "Time requests waited in an admission queue before being admitted (only those that had to wait).",
+            ["model", "priority"],
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
 

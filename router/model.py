@@ -39,6 +39,11 @@ class Telemetry:
     kv_cache_usage: float | None = None  # the engine's KV-cache blocks in use
     num_waiting: float | None = None  # the engine's queue
     num_running: float | None = None  # the engine's running batch
+    # GPU health from NVML (via the agent): cumulative XID / uncorrectable ECC counts, clocks-event reasons.
+    gpu_lost: bool = False
+    gpu_xid_errors: int | None = None
+    gpu_ecc_uncorrected: int | None = None
+    gpu_throttle_reasons: int | None = None
     source: str = "embedded"
 
     def signal(self, name: str) -> float | None:

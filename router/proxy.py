@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -41,8 +43,18 @@ _NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length"}
 ENDPOINT_HEADER = "x-fleetroute-endpoint"
 
 
-class UpstreamUnreachable(Exception):
-    """The connection to the endpoint could not be made: the request never left, so a retry is safe."""
+class UpstreamFailed(Exception):
+    """The endpoint failed before any byte reached the client, so another endpoint may be tried.
+    `kind` is the failure's kind for metrics and outlier detection: connect, connect_timeout, timeout or
+    http_5xx."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class UpstreamUnreachable(UpstreamFailed):
+    """The connection could not be made: the request never left. Always raised (the caller decides)."""
 
 
 @dataclass
@@ -65,8 +77,12 @@ def _strip(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[
     return out
 
 
-def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
+def upstream_headers(
+    request: web.Request, request_id: str, credentials: Callable[[CIMultiDict[str]], None] | None = None
+) -> CIMultiDict[str]:
     headers = _strip(request.headers, _NOT_FORWARDED_UP)
+    if credentials is not None:
+        credentials(headers)  # router.auth: drop the client's key, or send the engines' instead
     peer = request.remote or ""
     prior = headers.get("X-Forwarded-For")
     headers["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
@@ -76,8 +92,12 @@ def upstream_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
 
 
 class Proxy:
-    def __init__(self, *, session: aiohttp.ClientSession, loads: LoadTracker, metrics: RouterMetrics) -> None:
+    def __init__(
+        self, *, session: aiohttp.ClientSession, loads: LoadTracker, metrics: RouterMetrics,
+        credentials: Callable[[CIMultiDict[str]], None] | None = None,
+    ) -> None:
         self._session = session
+        self._credentials = credentials
         self._loads = loads
         self._metrics = metrics
 
@@ -90,45 +110,44 @@ class Proxy:
         request_id: str,
         timeouts: Timeouts,
         started: float,
+        retryable: bool = False,
+        deadline: float | None = None,
     ) -> Outcome:
         """Send `body` to `view` and stream the answer to the client.
 
-        Raises UpstreamUnreachable when no connection could be made (the caller may try another
-        endpoint); every other failure becomes an `Outcome` with the right status.
+        Raises UpstreamUnreachable when no connection could be made, and, when `retryable`, UpstreamFailed
+        for a first-byte timeout or a 5xx answer (nothing has reached the client yet). Every other failure
+        becomes an `Outcome` with the right status. `deadline` (loop time) caps the whole request.
         """
         loop = asyncio.get_running_loop()
         endpoint_id = view.id
         url = view.endpoint.url + request.path_qs
         errors = self._metrics.upstream_errors
+        header_wait = timeouts.first_byte if deadline is None else min(timeouts.first_byte, deadline - loop.time())
         with self._loads.track(endpoint_id):
             try:
-                async with asyncio.timeout(timeouts.first_byte):
+                async with asyncio.timeout(max(header_wait, 0.0)):
                     upstream = await self._session.request(
                         request.method,
                         url,
                         data=body,
-                        headers=upstream_headers(request, request_id),
+                        headers=upstream_headers(request, request_id, self._credentials),
                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect),
                         allow_redirects=False,
                     )
             except aiohttp.ClientConnectorError as exc:
                 errors.labels(endpoint_id, "connect").inc()
-                raise UpstreamUnreachable(str(exc)) from exc
+                raise UpstreamUnreachable("connect", str(exc)) from exc
             except aiohttp.ConnectionTimeoutError as exc:
                 # No connection within `connect` (a blackholed pod IP): the request never left either.
                 errors.labels(endpoint_id, "connect_timeout").inc()
-                raise UpstreamUnreachable(f"no connection within {timeouts.connect:g}s") from exc
+                raise UpstreamUnreachable("connect_timeout", f"no connection within {timeouts.connect:g}s") from exc
             except (TimeoutError, aiohttp.ServerTimeoutError):
                 errors.labels(endpoint_id, "timeout").inc()
-                return Outcome(
-                    error_response(
-                        504,
-                        f"endpoint {endpoint_id} did not answer within {timeouts.first_byte:g}s",
-                        code="upstream_timeout",
-                    ),
-                    504,
-                    error="timeout",
-                )
+                message = f"endpoint {endpoint_id} did not answer within {header_wait:g}s"
+                if retryable:
+                    raise UpstreamFailed("timeout", message) from None
+                return Outcome(error_response(504, message, code="upstream_timeout"), 504, error="timeout")
             except aiohttp.ClientError as exc:
                 errors.labels(endpoint_id, "disconnect").inc()
                 return Outcome(
@@ -140,7 +159,12 @@ class Proxy:
                     502,
                     error="disconnect",
                 )
-            return await self._stream(request, upstream, endpoint_id, request_id, timeouts, started, loop)
+            if upstream.status >= 500:
+                errors.labels(endpoint_id, "http_5xx").inc()
+                if retryable:
+                    upstream.close()
+                    raise UpstreamFailed("http_5xx", f"endpoint {endpoint_id} answered {upstream.status}")
+            return await self._stream(request, upstream, endpoint_id, request_id, timeouts, started, loop, deadline)
 
     async def _stream(
         self,
@@ -151,6 +175,7 @@ class Proxy:
         timeouts: Timeouts,
         started: float,
         loop: asyncio.AbstractEventLoop,
+        deadline: float | None,
     ) -> Outcome:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(_strip(upstream.headers, _NOT_FORWARDED_DOWN))
@@ -166,7 +191,8 @@ class Proxy:
             content = upstream.content
             async with asyncio.timeout(None) as idle:
                 while True:
-                    idle.reschedule(loop.time() + timeouts.idle)
+                    wake = loop.time() + timeouts.idle
+                    idle.reschedule(wake if deadline is None else min(wake, deadline))
                     chunk = await content.readany()
                     if not chunk:
                         break
@@ -177,21 +203,23 @@ class Proxy:
             await response.write_eof()
             clean = True
         except TimeoutError:
-            outcome.error = "idle_timeout"
-            errors.labels(endpoint_id, "idle_timeout").inc()
+            total = deadline is not None and loop.time() >= deadline
+            outcome.error = "total_timeout" if total else "idle_timeout"
+            errors.labels(endpoint_id, outcome.error).inc()
             log.warning(
-                "upstream stream stalled; closing the client connection",
-                extra={"endpoint": endpoint_id, "idle_timeout_s": timeouts.idle},
+                "upstream stream stalled or ran out of time; ending the response",
+                extra={"endpoint": endpoint_id, "idle_timeout_s": timeouts.idle, "kind": outcome.error},
             )
-            _abort(request)
+            what = "the request's total time ran out" if total else f"no data for {timeouts.idle:g}s"
+            await _end_early(request, response, endpoint_id, what)
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             outcome.error = "disconnect"
             errors.labels(endpoint_id, "disconnect").inc()
             log.warning(
-                "upstream closed mid-response; closing the client connection",
+                "upstream closed mid-response; ending the response",
                 extra={"endpoint": endpoint_id, "error": f"{type(exc).__name__}: {exc}"},
             )
-            _abort(request)
+            await _end_early(request, response, endpoint_id, "the endpoint closed the connection")
         except (ConnectionResetError, asyncio.CancelledError):
             # The client went away. Closing (not releasing) the upstream connection tells the engine to
             # abort the generation instead of computing tokens nobody will read.
@@ -206,6 +234,23 @@ class Proxy:
             else:
                 upstream.close()
         return outcome
+
+
+async def _end_early(request: web.Request, response: web.StreamResponse, endpoint_id: str, what: str) -> None:
+    """A response that cannot be completed after bytes were sent. A stream (SSE) gets a final OpenAI-shaped
+    error event and a clean end, which SDKs surface as an error; any other body is cut, so the client sees
+    a truncated body rather than a well-formed but incomplete answer. Never retried: the client already
+    has part of an answer."""
+    if response.prepared and response.content_type == "text/event-stream":
+        event = {"error": {"message": f"stream from endpoint {endpoint_id} interrupted: {what}",
+                           "type": "server_error", "param": None, "code": "upstream_stream_interrupted"}}
+        try:
+            await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
+            await response.write_eof()
+            return
+        except ConnectionResetError:
+            pass
+    _abort(request)
 
 
 def _abort(request: web.Request) -> None:

@@ -16,16 +16,25 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import yaml
 
+from router.health.active import ActiveHealthSettings
+from router.health.breaker import BreakerSettings
+from router.health.outlier import OutlierSettings
+from router.health.pool import HealthSettings
+from router.health.slow_start import SlowStartSettings
 from router.model import Endpoint
 from router.policies.base import PolicyConfigError
 from router.policies.consistent_hash import parse_key
 from router.policies.registry import PolicyRegistry
 from router.sticky import StickinessSettings
+
+if TYPE_CHECKING:  # parsed by their own modules, which build on this one's field reader
+    from router.admission import AdmissionSettings
+    from router.auth import AuthSettings
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 ENDPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -56,13 +65,20 @@ class Timeouts:
     first_byte: float = 300.0
     # Longest silence between two chunks of a response body (a stalled stream).
     idle: float = 60.0
+    # The whole request, all attempts included; None: no limit beyond the others.
+    total: float | None = None
 
 
 @dataclass(frozen=True)
 class Retries:
-    # Total tries per request. Only failures that prove the request never reached an engine (connection
-    # refused, no connection within `timeouts.connect`) are retried, on another endpoint: it is always safe.
+    # Total tries per request. A request is retried on another endpoint (never one already tried) only
+    # while no byte has reached the client: after a refused or timed-out connection, no response headers
+    # within `firstByte`, or a 5xx answer.
     attempts: int = 2
+    # A retry is made only while retries in flight stay under this share of all requests in flight (or
+    # `min_concurrency`), so retries cannot multiply the load of a fleet-wide outage (Envoy retry budgets).
+    budget_percent: float = 20.0
+    min_concurrency: int = 3
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,8 @@ class PolicySpec:
     timeouts: Timeouts = Timeouts()
     retries: Retries = Retries()
     stickiness: StickinessSettings = StickinessSettings()
+    health: HealthSettings = HealthSettings()
+    admission: AdmissionSettings | None = None  # router.admission; None or no cap: admission off
 
     def matches(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
@@ -110,6 +128,8 @@ class Settings:
     workers: int = 1
     # Seconds to let in-flight requests finish on shutdown.
     shutdown_grace: float = 30.0
+    max_header_bytes: int = 8190  # per header line and for the request line (aiohttp parser limits)
+    auth: AuthSettings | None = None  # router.auth; None: no client keys, no admin token
 
 
 class _Fields:
@@ -150,6 +170,18 @@ class _Fields:
             bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
             raise ConfigError(self.at(key), f"must be {bound}, got {value}")
         return value
+
+    def number(self, key: str, default: float, *, minimum: float, maximum: float | None = None,
+               exclusive_minimum: bool = False) -> float:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(self.at(key), f"must be a number, got {_show(value)}")
+        too_low = value <= minimum if exclusive_minimum else value < minimum
+        if too_low or (maximum is not None and value > maximum):
+            low = f"> {minimum}" if exclusive_minimum else f">= {minimum}"
+            bound = f"{low} and <= {maximum}" if maximum is not None else low
+            raise ConfigError(self.at(key), f"must be {bound}, got {value}")
+        return float(value)
 
     def boolean(self, key: str, default: bool) -> bool:
         value = self.get(key, default)
@@ -206,10 +238,11 @@ def parse_duration(value: Any) -> float | None:
     return None
 
 
-def _address(fields: _Fields, key: str, default: Address, env_prefix: str) -> Address:
+def _address(fields: _Fields, key: str, default: Address, env_prefix: str, *, others: tuple[str, ...] = ()) -> Address:
     sub = fields.sub(key)
     host = sub.string("host", default.host)
     port = sub.integer("port", default.port, minimum=0, maximum=65535)
+    sub.used.update(others)  # fields another module reads (admin.tokenEnv: router.auth)
     sub.done()
     env_host = os.environ.get(f"{env_prefix}_HOST")
     env_port = os.environ.get(f"{env_prefix}_PORT")
@@ -277,12 +310,21 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
         connect=t.duration("connect", Timeouts.connect),
         first_byte=t.duration("firstByte", Timeouts.first_byte),
         idle=t.duration("idle", Timeouts.idle),
+        total=t.duration("total", 1.0) if t.get("total") is not None else None,
     )
     t.done()
     r = f.sub("retries")
-    retries = Retries(attempts=r.integer("attempts", Retries.attempts, minimum=1, maximum=10))
+    retries = Retries(
+        attempts=r.integer("attempts", Retries.attempts, minimum=1, maximum=10),
+        budget_percent=r.number("budgetPercent", Retries.budget_percent, minimum=0, maximum=100),
+        min_concurrency=r.integer("minRetryConcurrency", Retries.min_concurrency, minimum=0),
+    )
     r.done()
+    health = _health(f)
     stickiness = _stickiness(f.sub("stickiness"))
+    from router.admission import parse_admission  # here, not on top: router.admission builds on this module
+
+    admission = parse_admission(f.sub("admission"))
     f.done()
     return PolicySpec(
         name=name,
@@ -292,7 +334,64 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
         timeouts=timeouts,
         retries=retries,
         stickiness=stickiness,
+        health=health,
+        admission=admission,
     )
+
+
+def _health(f: _Fields) -> HealthSettings:
+    """The policy's `health`, `outlierDetection`, `circuitBreaker`, `slowStart` and `panicThreshold`."""
+    a = f.sub("health")
+    d = ActiveHealthSettings()
+    path = a.string("path", d.path)
+    if not path.startswith("/"):
+        raise ConfigError(a.at("path"), f"must start with '/', got {path!r}")
+    active = ActiveHealthSettings(
+        enabled=a.boolean("enabled", d.enabled),
+        interval=a.duration("interval", d.interval),
+        timeout=a.duration("timeout", d.timeout),
+        path=path,
+        healthy_threshold=a.integer("healthyThreshold", d.healthy_threshold, minimum=1, maximum=100),
+        unhealthy_threshold=a.integer("unhealthyThreshold", d.unhealthy_threshold, minimum=1, maximum=100),
+        probe_request=a.boolean("probeRequest", d.probe_request),
+    )
+    gpu = a.boolean("gpu", True)
+    a.done()
+    o = f.sub("outlierDetection")
+    od = OutlierSettings()
+    outlier = OutlierSettings(
+        enabled=o.boolean("enabled", od.enabled),
+        consecutive_failures=o.integer("consecutiveFailures", od.consecutive_failures, minimum=1, maximum=1000),
+        base_ejection_time=o.duration("baseEjectionTime", od.base_ejection_time),
+        max_ejection_time=o.duration("maxEjectionTime", od.max_ejection_time),
+        max_ejection_percent=o.integer("maxEjectionPercent", od.max_ejection_percent, minimum=0, maximum=100),
+    )
+    if outlier.max_ejection_time < outlier.base_ejection_time:
+        raise ConfigError(o.at("maxEjectionTime"), "must be >= baseEjectionTime")
+    o.done()
+    b = f.sub("circuitBreaker")
+    bd = BreakerSettings()
+    breaker = BreakerSettings(
+        enabled=b.boolean("enabled", bd.enabled),
+        window=b.duration("window", bd.window),
+        min_requests=b.integer("minRequests", bd.min_requests, minimum=1),
+        failure_ratio=b.number("failureRatio", bd.failure_ratio, minimum=0, maximum=1, exclusive_minimum=True),
+        open_duration=b.duration("openDuration", bd.open_duration),
+        half_open_requests=b.integer("halfOpenRequests", bd.half_open_requests, minimum=1, maximum=100),
+    )
+    b.done()
+    s = f.sub("slowStart")
+    sd = SlowStartSettings()
+    slow_start = SlowStartSettings(
+        enabled=s.boolean("enabled", sd.enabled),
+        window=s.duration("window", sd.window),
+        aggression=s.number("aggression", sd.aggression, minimum=0, exclusive_minimum=True),
+        min_weight=s.number("minWeight", sd.min_weight, minimum=0, maximum=1, exclusive_minimum=True),
+    )
+    s.done()
+    panic = f.integer("panicThreshold", HealthSettings.panic_threshold, minimum=0, maximum=100)
+    return HealthSettings(active=active, outlier=outlier, breaker=breaker, slow_start=slow_start, gpu=gpu,
+                          panic_threshold=panic)
 
 
 def _stickiness(f: _Fields) -> StickinessSettings:
@@ -345,7 +444,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     registry = registry or PolicyRegistry()
     top = _Fields(raw, "")
     listen = _address(top, "listen", Settings.listen, "FLEETROUTE_LISTEN")
-    admin = _address(top, "admin", Settings.admin, "FLEETROUTE_ADMIN")
+    admin = _address(top, "admin", Settings.admin, "FLEETROUTE_ADMIN", others=("tokenEnv",))
     endpoints = tuple(_endpoint(path, item) for path, item in top.items("endpoints"))
     seen: set[str] = set()
     for i, ep in enumerate(endpoints):
@@ -360,6 +459,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         names.add(pol.name)
     limits = top.sub("limits")
     max_body = limits.integer("maxBodyBytes", DEFAULT_MAX_BODY_BYTES, minimum=1024)
+    max_header = limits.integer("maxHeaderBytes", Settings.max_header_bytes, minimum=1024, maximum=65536)
     limits.done()
     tel = top.sub("telemetry")
     telemetry = TelemetrySettings(
@@ -377,6 +477,9 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     log.done()
     workers = top.integer("workers", 1, minimum=1, maximum=256)
     shutdown_grace = top.duration("shutdownGrace", Settings.shutdown_grace)
+    from router.auth import parse_auth  # here, not on top: router.auth builds on this module
+
+    auth = parse_auth(top)
     top.done()
     return Settings(
         listen=listen,
@@ -390,6 +493,8 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         access_log=access_log,
         workers=workers,
         shutdown_grace=shutdown_grace,
+        max_header_bytes=max_header,
+        auth=auth,
     )
 
 

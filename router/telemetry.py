@@ -100,6 +100,10 @@ def to_telemetry(record: TelemetryRecord, *, wall_now: float, mono_now: float) -
         kv_cache_usage=engine.kv_cache_usage,
         num_waiting=engine.num_waiting,
         num_running=engine.num_running,
+        gpu_lost=gpu.lost,
+        gpu_xid_errors=gpu.xid_errors,
+        gpu_ecc_uncorrected=gpu.ecc_uncorrected,
+        gpu_throttle_reasons=gpu.throttle_reasons,
         source=record.gpu_source if record.gpu_source != "none" else "engine",
     )
 

@@ -37,8 +37,10 @@ class FakeEngine:
     requests: list[dict[str, Any]] = field(default_factory=list)
     stream_aborted: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_sent: asyncio.Event = field(default_factory=asyncio.Event)
+    unhealthy: bool = False  # /health answers 503
     runner: web.AppRunner | None = None
     url: str = ""
+    port: int = 0  # 0: a free port on first start; a restart reuses the same one
 
     async def start(self) -> FakeEngine:
         app = web.Application()
@@ -49,15 +51,16 @@ class FakeEngine:
         app.router.add_get("/metrics", self._metrics)
         self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port, reuse_address=True)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{self.port}"
         return self
 
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+            self.runner = None
 
     # ---- handlers -----------------------------------------------------------------------------------
 
@@ -140,7 +143,7 @@ class FakeEngine:
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response()
+        return web.Response(status=503 if self.unhealthy else 200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         kv_name = "vllm:gpu_cache_usage_perc" if self.load.legacy_names else "vllm:kv_cache_usage_perc"

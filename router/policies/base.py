@@ -81,16 +81,19 @@ def reject_unknown(params: Mapping[str, Any], known: set[str]) -> None:
 def least_loaded(
     views: tuple[EndpointView, ...], loads: LoadView, exclude: frozenset[str], rng: random.Random
 ) -> EndpointView | None:
-    """The candidate with the fewest in-flight requests; ties broken at random, never by list order.
+    """The candidate with the fewest in-flight requests (scaled up by 1/weight while it ramps up after slow
+    start); ties broken at random, never by list order.
 
     Shared by least-connections and by the fallbacks of the other strategies.
     """
     best: list[EndpointView] = []
-    best_load = -1
+    best_load = -1.0
     for view in views:
         if view.id in exclude:
             continue
         load = loads.in_flight(view.id)
+        if view.weight_factor < 1.0:  # slow start: a ramping endpoint counts as more loaded than it is
+            load = (load + 1) / view.weight_factor - 1
         if not best or load < best_load:
             best, best_load = [view], load
         elif load == best_load:

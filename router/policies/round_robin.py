@@ -32,22 +32,28 @@ class RoundRobinState:
 
 
 class RoundRobinPicker:
-    __slots__ = ("_views", "_state")
+    __slots__ = ("_views", "_state", "_rng")
 
-    def __init__(self, views: tuple[EndpointView, ...], state: RoundRobinState) -> None:
+    def __init__(self, views: tuple[EndpointView, ...], state: RoundRobinState, rng: random.Random) -> None:
         self._views = views
         self._state = state
+        self._rng = rng
 
     def pick(self, req: RequestInfo, loads: LoadView, exclude: frozenset[str]) -> EndpointView | None:
         views = self._views
         n = len(views)
+        fallback = None
         for _ in range(n):
             index = self._state.cursor % n
             self._state.cursor = index + 1
             view = views[index]
-            if view.id not in exclude:
+            if view.id in exclude:
+                continue
+            # A ramping endpoint (slow start) takes its turn with probability = its weight factor.
+            if view.weight_factor >= 1.0 or self._rng.random() < view.weight_factor:
                 return view
-        return None
+            fallback = fallback or view
+        return fallback
 
 
 class RoundRobinPolicy:
@@ -71,4 +77,4 @@ class RoundRobinPolicy:
     ) -> RoundRobinPicker:
         if state.cursor is None:
             state.cursor = rng.randrange(max(len(views), 1))
-        return RoundRobinPicker(views, state)
+        return RoundRobinPicker(views, state, rng)

@@ -1,0 +1,485 @@
+"""Admission control: a bounded priority queue in front of each model's pool, used only when it is saturated.
+
+Why. vLLM queues requests itself, but first-come-first-served and blind to who is asking: a burst of batch
+jobs delays every interactive request behind it, and one hot engine can be handed far more than it can
+batch. A per-endpoint concurrency cap (`maxConcurrentPerEndpoint`) keeps each engine at a load it serves
+well; once *every* serving endpoint of a model is at its cap, new requests wait here instead, where the
+router can order them by priority, shed the ones whose deadline passed (a fast 429 the client can retry
+elsewhere beats a slow timeout), and shed the least important first when the queue is full.
+
+How it fits the request path (`handlers._serve`):
+
+1. `Admission.pool(spec, model)` returns None unless the policy sets a cap. With caps unset (the default)
+   that check is all admission costs: no queue, no lock, no metric (docs/operations.md has the numbers).
+2. `Pool.admit()` returns at once while the pool has a free slot and nobody is queued; otherwise the
+   request joins the queue and waits for a slot, or is shed (it returns the error response to send).
+3. The handler picks with `Pool.exclude(tried)`, so endpoints at their cap are skipped by every policy
+   (a consistent-hash key walks the ring past a full endpoint, like past a failed one).
+
+Load is read, never counted here: an endpoint is *full* when `LoadTracker.in_flight(id) >= cap` (this
+process's requests of every model, so two models sharing an engine share its cap). Waking is
+event-driven (no polling): `LoadTracker` calls `released()` when a request's in-flight ends, and the
+balancer calls `rebuilt()` after each snapshot swap (a resume or a new endpoint adds slots). A woken
+request holds a promise of a slot (`pending`) until it runs, so a newcomer cannot take the slot in between
+(no barging past the queue). Nothing awaits between `admit()` returning and the forward that marks the
+request in flight, which is what makes the promise hold.
+
+Order: each class has a rank (its position in `classes`, 0 first). With ageing, a request's effective rank
+improves by one class per `agingSeconds` waited, so low requests are delayed, never starved. Comparing
+`rank - waited/aging` between two requests at the same instant is the same as comparing
+`rank * aging + enqueued_at`, a key that does not change while they wait: the queue is ordered once, on
+entry, like a virtual-time scheduler (start-time fair queueing), with no re-sorting as time passes. Within a
+class that is arrival order, so one FIFO per class suffices and the next request is the best of the heads.
+
+Shedding:
+- `deadline`: each request has a deadline (`x-request-deadline-ms`, at most the class's `deadline`),
+  counted from when it joined the queue. One timer per pool fires at the earliest deadline; `sweep()`
+  sheds what is overdue. Timers run on the event loop's clock; deadlines are judged on the injected
+  `clock`, so tests move a fake clock and call `sweep()` instead of sleeping.
+- `queue_full` / `evicted`: at `maxQueue` waiting, a newcomer of a strictly higher class evicts the
+  newest request of the lowest class present; otherwise the newcomer is shed. Eviction looks at classes,
+  not ageing: under sustained overload an old low request must not keep a new high one out.
+
+Shed requests get `shedStatus` (429 or 503) with `Retry-After` in the OpenAI error shape, a count in
+`fleetroute_admission_shed_total{model,priority,reason}` and one JSON log line each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import heapq
+import itertools
+import logging
+import math
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from router.balancer import Balancer
+from router.errors import error_response
+from router.loads import LoadTracker
+from router.metrics import RouterMetrics
+from router.settings import ConfigError, PolicySpec, _Fields, _show
+
+log = logging.getLogger("fleetroute.admission")
+
+DEADLINE_HEADER = "x-request-deadline-ms"
+SHED_STATUSES = (429, 503)
+MAX_CLASSES = 16  # class names are metric label values: keep the cardinality bounded
+_CLASS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]{0,30}[a-z0-9])?$")
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an RFC 9110 token
+
+# (reason label, OpenAI error code) of each way a request is shed.
+SHED_CODES = {"deadline": "queue_deadline_exceeded", "queue_full": "queue_full", "evicted": "queue_evicted"}
+
+
+@dataclass(frozen=True)
+class PriorityClass:
+    name: str
+    rank: int  # 0 is served first
+    deadline: float  # seconds a request of this class may wait in the queue at most
+
+
+DEFAULT_CLASSES = (
+    PriorityClass("high", 0, 30.0),
+    PriorityClass("normal", 1, 60.0),
+    PriorityClass("low", 2, 120.0),
+)
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """One policy's `admission:` block. Without `max_concurrent_per_endpoint` admission is off."""
+
+    max_queue: int = 256
+    max_concurrent_per_endpoint: int | None = None
+    priority_header: str = "x-priority"
+    classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
+    default_class: str = "normal"
+    aging: float | None = 10.0  # seconds of waiting that raise a request by one class; None: strict order
+    shed_status: int = 429
+    retry_after: float = 1.0
+    _by_name: Mapping[str, PriorityClass] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {c.name: c for c in self.classes})
+
+    def classify(self, value: str | None) -> PriorityClass:
+        """The class a header value names (case-insensitive); the default class for anything else."""
+        if value:
+            found = self._by_name.get(value.strip().lower())
+            if found is not None:
+                return found
+        return self._by_name[self.default_class]
+
+
+def parse_admission(f: _Fields) -> AdmissionSettings:
+    """Parse a policy's `admission:` block (settings.py calls this; errors name the field)."""
+    defaults = AdmissionSettings()
+    max_queue = f.integer("maxQueue", defaults.max_queue, minimum=0, maximum=1_000_000)
+    cap = None
+    if f.get("maxConcurrentPerEndpoint") is not None:
+        cap = f.integer("maxConcurrentPerEndpoint", 0, minimum=1, maximum=1_000_000)
+    header = f.string("priorityHeader", defaults.priority_header)
+    if not _HEADER_NAME.match(header):
+        raise ConfigError(f.at("priorityHeader"), f"must be an HTTP header name, got {header!r}")
+    classes = _classes(f)
+    names = tuple(c.name for c in classes)
+    default_class = f.get("defaultClass", defaults.default_class)
+    if default_class not in names:
+        problem = f"must be one of the classes ({', '.join(names)}); got {_show(default_class)}"
+        raise ConfigError(f.at("defaultClass"), problem)
+    aging: float | None = None  # `agingSeconds: null`: strict priority, no ageing
+    if f.get("agingSeconds", defaults.aging) is not None:
+        aging = f.duration("agingSeconds", defaults.aging or 0)
+    shed_status = f.get("shedStatus", defaults.shed_status)
+    if shed_status not in SHED_STATUSES or isinstance(shed_status, bool):
+        raise ConfigError(f.at("shedStatus"), f"must be 429 or 503, got {_show(shed_status)}")
+    retry_after = f.duration("retryAfter", defaults.retry_after)
+    f.done()
+    return AdmissionSettings(
+        max_queue=max_queue,
+        max_concurrent_per_endpoint=cap,
+        priority_header=header.lower(),
+        classes=classes,
+        default_class=default_class,
+        aging=aging,
+        shed_status=shed_status,
+        retry_after=retry_after,
+    )
+
+
+def _classes(f: _Fields) -> tuple[PriorityClass, ...]:
+    raw = f.get("classes")
+    if raw is None:
+        return DEFAULT_CLASSES
+    where = f.at("classes")
+    if not isinstance(raw, Mapping) or not raw:
+        problem = f"must be a non-empty mapping of class name to settings, highest first; got {_show(raw)}"
+        raise ConfigError(where, problem)
+    if len(raw) > MAX_CLASSES:
+        raise ConfigError(where, f"at most {MAX_CLASSES} classes, got {len(raw)}")
+    out = []
+    for rank, (name, body) in enumerate(raw.items()):
+        if not isinstance(name, str) or not _CLASS_NAME.match(name):
+            raise ConfigError(f"{where}.{name}", "class names must be lower-case letters, digits, '-' or '_' (1-32)")
+        c = _Fields(body, f"{where}.{name}")
+        deadline = c.duration("deadline", 60.0)
+        c.done()
+        out.append(PriorityClass(name, rank, deadline))
+    return tuple(out)
+
+
+class _State(enum.Enum):
+    QUEUED = "queued"
+    WOKEN = "woken"  # promised a slot, not yet running
+    ADMITTED = "admitted"
+    SHED = "shed"
+
+
+class _Waiter:
+    __slots__ = ("cls", "request_id", "enqueued_at", "deadline_at", "key", "future", "state")
+
+    def __init__(self, cls: PriorityClass, request_id: str, now: float, deadline_at: float, key: tuple[float, int]):
+        self.cls = cls
+        self.request_id = request_id
+        self.enqueued_at = now
+        self.deadline_at = deadline_at
+        self.key = key
+        self.future: asyncio.Future[web.Response | None] = asyncio.get_running_loop().create_future()
+        self.state = _State.QUEUED
+
+
+class Admission:
+    """The admission pools of one router process, one per capped model; wired to load and rebuild events."""
+
+    def __init__(
+        self,
+        *,
+        balancer: Balancer,
+        loads: LoadTracker,
+        metrics: RouterMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._balancer = balancer
+        self._loads = loads
+        self._metrics = metrics
+        self._clock = clock
+        self._pools: dict[str, Pool] = {}
+        self._busy: set[Pool] = set()  # pools with someone queued: the only ones a release can concern
+
+    def pool(self, spec: PolicySpec, model: str) -> Pool | None:
+        """The model's admission pool, or None when its policy caps no endpoint (admission is off)."""
+        settings = spec.admission
+        if settings is None or settings.max_concurrent_per_endpoint is None:
+            return None
+        pool = self._pools.get(model)
+        if pool is None or pool.settings is not settings:
+            pool = self._pools[model] = Pool(model, settings, self)
+        return pool
+
+    def released(self, endpoint_id: str) -> None:
+        """A request's in-flight at `endpoint_id` ended (LoadTracker hook): hand the slot to a waiter."""
+        if not self._busy:
+            return
+        for pool in list(self._busy):
+            if endpoint_id in pool.endpoint_ids():
+                pool.dispatch()
+
+    def rebuilt(self) -> None:
+        """The routing snapshot changed (Balancer hook): endpoints may have joined, left or resumed."""
+        for pool in list(self._busy):
+            pool.dispatch()
+
+    def sweep(self) -> None:
+        """Shed every queued request whose deadline has passed (the pools' timers call this per pool)."""
+        for pool in list(self._busy):
+            pool.sweep()
+
+    def queued(self, model: str) -> int:
+        pool = self._pools.get(model)
+        return pool.queued if pool is not None else 0
+
+
+class Pool:
+    """The admission queue of one model: one FIFO per priority class plus a deadline heap."""
+
+    def __init__(self, model: str, settings: AdmissionSettings, admission: Admission) -> None:
+        self.model = model
+        self.settings = settings
+        self.cap: int = settings.max_concurrent_per_endpoint or 0
+        self._admission = admission
+        self._loads = admission._loads
+        self._clock = admission._clock
+        self._queues: dict[str, deque[_Waiter]] = {c.name: deque() for c in settings.classes}
+        self._lowest_first = tuple(reversed(settings.classes))
+        self.queued = 0
+        self.pending = 0  # woken requests that hold a promised slot but have not started yet
+        self._deadlines: list[tuple[float, int, _Waiter]] = []
+        self._seq = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        self._ids: tuple[str, ...] = ()
+        self._version = -1
+        m = admission._metrics
+        self._depth = {c.name: m.admission_queue_depth.labels(model, c.name) for c in settings.classes}
+        self._admitted = {c.name: m.admission_admitted.labels(model, c.name) for c in settings.classes}
+        self._waited = {c.name: m.admission_wait.labels(model, c.name) for c in settings.classes}
+        self._shed_count = m.admission_shed
+
+    # ---- capacity (read from the load tracker, never counted here) --------------------------------------
+
+    def endpoint_ids(self) -> tuple[str, ...]:
+        """The endpoints the picker may choose (serving, healthy), recomputed once per snapshot."""
+        balancer = self._admission._balancer
+        version = balancer.snapshot.version
+        if version != self._version:
+            self._ids = tuple(v.id for v in balancer.candidates(self.model))
+            self._version = version
+        return self._ids
+
+    def _has_room(self, ids: tuple[str, ...]) -> bool:
+        """More free slots across the pool than requests already promised one."""
+        promised = self.pending
+        cap = self.cap
+        in_flight = self._loads.in_flight
+        for endpoint_id in ids:
+            promised -= cap - min(cap, in_flight(endpoint_id))
+            if promised < 0:
+                return True
+        return False
+
+    def exclude(self, tried: frozenset[str]) -> frozenset[str]:
+        """`tried` plus the endpoints at their cap: what the picker must not choose."""
+        in_flight = self._loads.in_flight
+        full = [i for i in self.endpoint_ids() if in_flight(i) >= self.cap]
+        return tried.union(full) if full else tried
+
+    # ---- the request path ------------------------------------------------------------------------------
+
+    async def admit(self, request_id: str, headers: Mapping[str, str]) -> web.Response | None:
+        """Wait for a slot. Returns None when the request may go on, or the response to shed it with."""
+        settings = self.settings
+        cls = settings.classify(headers.get(settings.priority_header))
+        ids = self.endpoint_ids()
+        # No serving endpoint: nothing to wait for; the picker answers 503 no_endpoint at once.
+        if not ids or (not self.queued and not self.pending and self._has_room(ids)):
+            self._admitted[cls.name].inc()
+            return None
+        now = self._clock()
+        deadline = cls.deadline
+        budget = _deadline_ms(headers.get(DEADLINE_HEADER))
+        if budget is not None:
+            deadline = min(deadline, budget)  # a client may shorten its wait, never extend its class's
+        aging = settings.aging
+        key = (cls.rank * aging + now, next(self._seq)) if aging is not None else (cls.rank, next(self._seq))
+        waiter = _Waiter(cls, request_id, now, now + deadline, key)
+        if deadline <= 0:
+            return self._shed(waiter, "deadline")
+        if self.queued >= settings.max_queue:
+            victim = self._victim()
+            if victim is None or victim.cls.rank <= cls.rank:
+                return self._shed(waiter, "queue_full")
+            self._remove(victim)
+            victim.future.set_result(self._shed(victim, "evicted"))
+        self._enqueue(waiter)
+        self.dispatch()
+        return await self._wait(waiter)
+
+    async def _wait(self, waiter: _Waiter) -> web.Response | None:
+        try:
+            while True:
+                shed = await waiter.future
+                if shed is not None:
+                    return shed
+                self.pending -= 1
+                waiter.state = _State.ADMITTED
+                ids = self.endpoint_ids()
+                if not ids or self._has_room(ids):
+                    self._admitted[waiter.cls.name].inc()
+                    self._waited[waiter.cls.name].observe(self._clock() - waiter.enqueued_at)
+                    return None
+                # Rare: a request of another model sharing one of our endpoints took the slot between the
+                # wake-up and now. Back to the head of the class's queue, keeping the place it earned.
+                if self._clock() >= waiter.deadline_at:
+                    return self._shed(waiter, "deadline")
+                waiter.future = asyncio.get_running_loop().create_future()
+                self._enqueue(waiter, front=True)
+                self.dispatch()
+        except asyncio.CancelledError:  # the client went away while queued: give its place or slot on
+            if waiter.state is _State.QUEUED:
+                self._remove(waiter)
+            elif waiter.state is _State.WOKEN:
+                self.pending -= 1
+                self.dispatch()
+            raise
+
+    def dispatch(self) -> None:
+        """Wake the best queued requests, one per free slot not already promised."""
+        ids = self.endpoint_ids()
+        while self.queued and (not ids or self._has_room(ids)):
+            waiter = self._best()
+            self._remove(waiter)
+            waiter.state = _State.WOKEN
+            self.pending += 1
+            waiter.future.set_result(None)
+
+    def sweep(self) -> None:
+        now = self._clock()
+        heap = self._deadlines
+        while heap and (heap[0][0] <= now or heap[0][2].state is not _State.QUEUED):
+            _, _, waiter = heapq.heappop(heap)
+            if waiter.state is _State.QUEUED:
+                self._remove(waiter)
+                waiter.future.set_result(self._shed(waiter, "deadline"))
+        self._arm()
+
+    # ---- queue structure -------------------------------------------------------------------------------
+
+    def _enqueue(self, waiter: _Waiter, *, front: bool = False) -> None:
+        queue = self._queues[waiter.cls.name]
+        if front:
+            queue.appendleft(waiter)
+        else:
+            queue.append(waiter)
+        waiter.state = _State.QUEUED
+        self.queued += 1
+        self._depth[waiter.cls.name].inc()
+        self._admission._busy.add(self)
+        heapq.heappush(self._deadlines, (waiter.deadline_at, waiter.key[1], waiter))
+        self._arm()
+
+    def _remove(self, waiter: _Waiter) -> None:
+        self._queues[waiter.cls.name].remove(waiter)
+        self.queued -= 1
+        self._depth[waiter.cls.name].dec()
+        if not self.queued:
+            self._admission._busy.discard(self)
+
+    def _best(self) -> _Waiter:
+        heads = [q[0] for q in self._queues.values() if q]
+        return min(heads, key=lambda w: w.key)
+
+    def _victim(self) -> _Waiter | None:
+        """The newest request of the lowest class that has any."""
+        for cls in self._lowest_first:
+            queue = self._queues[cls.name]
+            if queue:
+                return queue[-1]
+        return None
+
+    def _arm(self) -> None:
+        """Keep one loop timer set for the earliest deadline still queued."""
+        if not self._deadlines:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer, self._timer_at = None, math.inf
+            return
+        earliest = self._deadlines[0][0]
+        if self._timer is not None and self._timer_at <= earliest:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        delay = max(0.0, earliest - self._clock())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+        self._timer_at = earliest
+
+    def _on_timer(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        self.sweep()
+
+    # ---- shedding --------------------------------------------------------------------------------------
+
+    def _shed(self, waiter: _Waiter, reason: str) -> web.Response:
+        settings = self.settings
+        waiter.state = _State.SHED
+        waited = max(0.0, self._clock() - waiter.enqueued_at)
+        cls = waiter.cls.name
+        self._shed_count.labels(self.model, cls, reason).inc()
+        log.warning(
+            "request shed",
+            extra={
+                "request_id": waiter.request_id,
+                "model": self.model,
+                "priority": cls,
+                "reason": reason,
+                "waited_ms": round(waited * 1000, 3),
+                "queued": self.queued,
+                "status": settings.shed_status,
+            },
+        )
+        if reason == "deadline":
+            message = (
+                f"model `{self.model}` is at capacity and this request waited {waited:.3g}s, past its deadline of "
+                f"{waiter.deadline_at - waiter.enqueued_at:.3g}s; retry later"
+            )
+        elif reason == "queue_full":
+            message = (
+                f"model `{self.model}` is at capacity and its queue is full ({settings.max_queue} requests of "
+                f"priority `{cls}` or higher); retry later"
+            )
+        else:
+            message = (
+                f"model `{self.model}` is at capacity; this `{cls}` request was dropped from the queue to make "
+                f"room for a higher-priority one; retry later"
+            )
+        return error_response(
+            settings.shed_status, message, code=SHED_CODES[reason],
+            headers={"Retry-After": str(max(1, math.ceil(settings.retry_after)))},
+        )
+
+
+def _deadline_ms(raw: str | None) -> float | None:
+    """Seconds from an `x-request-deadline-ms` value; None (use the class's) when absent or malformed."""
+    if not raw:
+        return None
+    raw = raw.strip()
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 12:
+        return None
+    return int(raw) / 1000.0
+

@@ -1,0 +1,285 @@
+"""Protection: client API keys, the admin token, HTTP header limits, and keeping secrets out of logs.
+
+- **Client API keys** (`auth.apiKeysFile`, `auth.apiKeysEnv`): when configured, every ingress request
+  (`/v1/*`, unknown paths included, so routes cannot be probed) needs `Authorization: Bearer <key>`.
+  The presented token is hashed (SHA-256) and compared with `hmac.compare_digest` against *every* key's
+  hash, without stopping at a match: the time taken depends neither on which key matched nor on how much of
+  a key an attacker guessed, and hashing first makes the lengths equal too. A missing or wrong key gets 401
+  in the OpenAI shape (`invalid_api_key`, as OpenAI's own API answers) with `WWW-Authenticate: Bearer`.
+- **Credentials upstream**: with client keys on, the client's `Authorization` is not forwarded (an
+  engine must never see, or log, the router's client keys). `auth.upstreamApiKeyEnv` names a variable
+  holding the key the engines expect (vLLM `--api-key`); when set it is sent instead, whatever the client
+  sent. With neither, `Authorization` passes through untouched, as before.
+- **Admin token** (`admin.tokenEnv`, default `FLEETROUTE_ADMIN_TOKEN`): when the variable is set, every
+  admin route except the probes and the scrape (`/metrics`, `/healthz`, `/readyz`) needs
+  `Authorization: Bearer <token>`. Deny by default: a route added later is protected without a change here.
+- **Header limits**: aiohttp's parser limits, set explicitly (`limits.maxHeaderBytes` per header line and
+  for the request line, 128 header lines). Past them the client gets a plain 400 from aiohttp before any
+  handler runs.
+- **No secrets in logs**: keys are held only as hashes or with `repr=False`, never logged, never echoed in
+  an error. aiohttp logs a request it cannot parse with a traceback quoting the offending bytes (an
+  oversized or malformed `Authorization` header among them); `ProtocolLog` logs one line with the error's
+  class and status instead.
+
+Secrets are read when the config is loaded, so a missing variable or an empty key file fails start-up
+(exit code 2) instead of silently leaving the router open. Rotating keys needs a restart (a rolling one in
+Kubernetes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from multidict import CIMultiDict
+
+from router.errors import error_response
+from router.metrics import RouterMetrics
+from router.settings import ConfigError, _Fields
+
+ADMIN_TOKEN_ENV = "FLEETROUTE_ADMIN_TOKEN"
+DEFAULT_MAX_HEADER_BYTES = 8190  # aiohttp's (and nginx's large_client_header_buffers) default line size
+MAX_HEADERS = 128
+OPEN_ADMIN_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})  # kubelet and Prometheus carry no token
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TOKEN = re.compile(r"^[\x21-\x7e]+$")  # visible ASCII, no spaces: what fits in `Bearer <token>`
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class AuthSettings:
+    """Secrets are kept as SHA-256 digests or hidden from repr: printing settings never shows them."""
+
+    api_key_digests: tuple[bytes, ...] = field(default=(), repr=False)
+    api_key_sources: tuple[str, ...] = ()  # where the keys came from ("file /x", "$VAR"), for humans
+    upstream_authorization: str | None = field(default=None, repr=False)  # "Bearer <engine key>"
+    admin_token_digest: bytes | None = field(default=None, repr=False)
+    admin_token_env: str = ADMIN_TOKEN_ENV
+
+    @property
+    def client_keys(self) -> bool:
+        return bool(self.api_key_digests)
+
+
+def parse_auth(top: _Fields) -> AuthSettings | None:
+    """The `auth:` block and `admin.tokenEnv`, with the secrets they point to read now; None if none is set."""
+    f = top.sub("auth")
+    keys: list[str] = []
+    sources: list[str] = []
+    path = f.get("apiKeysFile")
+    if path is not None:
+        path = f.string("apiKeysFile")
+        where = f.at("apiKeysFile")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(where, f"cannot read API keys from {path!r}: {reason}") from None
+        keys += _keys(text, where)
+        sources.append(f"file {path}")
+    env = _env_name(f, "apiKeysEnv")
+    if env is not None:
+        keys += _keys(_required_env(env, f.at("apiKeysEnv")), f"${env}")
+        sources.append(f"${env}")
+    upstream = None
+    upstream_env = _env_name(f, "upstreamApiKeyEnv")
+    if upstream_env is not None:
+        value = _required_env(upstream_env, f.at("upstreamApiKeyEnv")).strip()
+        if not _TOKEN.match(value):
+            raise ConfigError(f"${upstream_env}", "must be one token of visible ASCII characters")
+        upstream = f"Bearer {value}"
+    f.done()
+    admin = top.raw.get("admin")
+    admin_fields = _Fields(admin if isinstance(admin, Mapping) else None, "admin")
+    token_env = _env_name(admin_fields, "tokenEnv")  # admin's other fields are read by settings._address
+    explicit = token_env is not None
+    token_env = token_env or ADMIN_TOKEN_ENV
+    token = os.environ.get(token_env, "").strip()
+    if explicit and not token:
+        # Asked for by name: an unset variable must fail start-up, not leave /admin open.
+        raise ConfigError(f"${token_env}", "is not set or empty (named by admin.tokenEnv)")
+    if token and not _TOKEN.match(token):
+        raise ConfigError(f"${token_env}", "must be one token of visible ASCII characters")
+    if not keys and upstream is None and not token:
+        return None  # nothing configured: no middleware, no header rewriting
+    return AuthSettings(
+        api_key_digests=tuple(dict.fromkeys(_digest(k) for k in keys)),
+        api_key_sources=tuple(sources),
+        upstream_authorization=upstream,
+        admin_token_digest=_digest(token) if token else None,
+        admin_token_env=token_env,
+    )
+
+
+def _env_name(f: _Fields, key: str) -> str | None:
+    if f.get(key) is None:
+        return None
+    name = f.string(key)
+    if not _ENV_NAME.match(name):
+        raise ConfigError(f.at(key), f"must be an environment variable name, got {name!r}")
+    return name
+
+
+def _required_env(name: str, where: str) -> str:
+    value = os.environ.get(name, "")
+    if not value.strip():
+        raise ConfigError(where, f"environment variable {name} is not set or empty")
+    return value
+
+
+def _keys(text: str, where: str) -> list[str]:
+    """Keys separated by commas or newlines; blank lines and lines starting with `#` are skipped."""
+    keys = []
+    for line in text.splitlines():
+        if line.strip().startswith("#"):
+            continue
+        for item in line.split(","):
+            key = item.strip()
+            if not key:
+                continue
+            if not _TOKEN.match(key):
+                # Never quote the key itself: config errors end up in logs.
+                raise ConfigError(where, f"key {len(keys) + 1} contains spaces or non-ASCII characters")
+            keys.append(key)
+    if not keys:
+        raise ConfigError(where, "contains no API keys")
+    return keys
+
+
+def _digest(secret: str | bytes) -> bytes:
+    data = secret.encode("utf-8", "surrogateescape") if isinstance(secret, str) else secret
+    return hashlib.sha256(data).digest()
+
+
+def _bearer(header: str | None) -> str | None:
+    """The token of `Authorization: Bearer <token>` (scheme case-insensitive), or None."""
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def _matches(token: str, digests: tuple[bytes, ...]) -> bool:
+    presented = _digest(token)
+    ok = False
+    for digest in digests:  # no early exit: every key is compared every time
+        ok |= hmac.compare_digest(presented, digest)
+    return ok
+
+
+def _unauthorized(metrics: RouterMetrics, *, reason: str, missing: bool, what: str) -> web.Response:
+    metrics.rejected.labels(reason).inc()
+    if missing:
+        message = f"You didn't provide {what}. Send it in an Authorization header: `Authorization: Bearer <key>`."
+        challenge = 'Bearer realm="fleetroute"'
+    else:
+        message = f"Incorrect {what} provided."
+        challenge = 'Bearer realm="fleetroute", error="invalid_token"'
+    return error_response(401, message, code=reason, headers={"WWW-Authenticate": challenge})
+
+
+def client_auth_middleware(settings: AuthSettings, metrics: RouterMetrics) -> Any:
+    """Ingress middleware requiring one of the client API keys (install it only when keys are set)."""
+    digests = settings.api_key_digests
+
+    @web.middleware
+    async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        token = _bearer(request.headers.get("Authorization"))
+        if token is None or not _matches(token, digests):
+            return _unauthorized(metrics, reason="invalid_api_key", missing=token is None, what="an API key")
+        return await handler(request)
+
+    return require_api_key
+
+
+def admin_auth_middleware(settings: AuthSettings, metrics: RouterMetrics) -> Any:
+    """Admin middleware requiring the admin token on everything but the probes and `/metrics`."""
+    digest = settings.admin_token_digest
+    assert digest is not None
+
+    @web.middleware
+    async def require_admin_token(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_ADMIN_PATHS:
+            token = _bearer(request.headers.get("Authorization"))
+            if token is None or not _matches(token, (digest,)):
+                return _unauthorized(metrics, reason="invalid_admin_token", missing=token is None,
+                                     what="the admin token")
+        return await handler(request)
+
+    return require_admin_token
+
+
+def upstream_credentials(settings: AuthSettings | None) -> Callable[[CIMultiDict[str]], None] | None:
+    """What the proxy does to `Authorization` on its way to an engine; None: pass it through."""
+    if settings is None:
+        return None
+    replacement = settings.upstream_authorization
+    if replacement is not None:
+        def send_engine_key(headers: CIMultiDict[str]) -> None:
+            headers.popall("Authorization", None)
+            headers["Authorization"] = replacement
+
+        return send_engine_key
+    if settings.client_keys:
+        def drop_client_key(headers: CIMultiDict[str]) -> None:
+            headers.popall("Authorization", None)
+
+        return drop_client_key
+    return None
+
+
+class ProtocolLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's per-connection logger, minus the bytes of requests it could not parse.
+
+    aiohttp logs a malformed request (a header over the size limit, a NUL in a header value, a bad request
+    line) at error level with a traceback whose message quotes the offending line, which may be an
+    `Authorization` header. Those become one warning with the error class and status; everything else
+    passes through unchanged.
+    """
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            remote = args[0] if args else None
+            self.logger.log(
+                min(level, logging.WARNING),  # aiohttp logs a first-line BadHttpMethod (TLS, scanners) at debug
+                "malformed HTTP request rejected",
+                extra={"error": type(exc).__name__, "status": exc.code, "client": remote},
+            )
+            return
+        self.logger.log(level, msg, *args, **kwargs)
+
+
+def server_options(max_header_bytes: int) -> dict[str, Any]:
+    """Keyword arguments for `web.AppRunner` (passed on to aiohttp's request handler)."""
+    return {
+        "max_line_size": max_header_bytes,
+        "max_field_size": max_header_bytes,
+        "max_headers": MAX_HEADERS,
+        "logger": ProtocolLog(logging.getLogger("aiohttp.server"), {}),
+    }
+
+
+def ingress_middlewares(settings: AuthSettings | None, metrics: RouterMetrics) -> list[Any]:
+    """Middlewares for the ingress app, after `openai_errors` (none when there are no client keys)."""
+    if settings is None or not settings.client_keys:
+        return []
+    return [client_auth_middleware(settings, metrics)]
+
+
+def admin_middlewares(settings: AuthSettings | None, metrics: RouterMetrics) -> list[Any]:
+    """Middlewares for the admin app, after `openai_errors` (none when no admin token is set)."""
+    if settings is None or settings.admin_token_digest is None:
+        return []
+    return [admin_auth_middleware(settings, metrics)]
