@@ -34,7 +34,9 @@ class Result:
     e2e: float | None = None
     output_tokens: int = 0
     endpoint: str = ""
-    error: str | None = None  # None on success; else http_<status>, connect, timeout, truncated
+    # None on success; else http_<status>, connect, timeout, truncated (cut without [DONE]) or stream_error
+    # (an error event after some tokens: the stream broke midway, which no router may retry)
+    error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -76,6 +78,9 @@ async def send_one(session: aiohttp.ClientSession, base_url: str, planned: Plann
                             done = True
                             continue
                         event = orjson.loads(data)
+                        if "error" in event:  # the router ended a broken stream with an error event
+                            result.error = "stream_error"
+                            return result
                         if _has_text(event):
                             if result.ttft is None:
                                 result.ttft = time.perf_counter() - start

@@ -308,7 +308,7 @@ class Pool:
         cls = settings.classify(headers.get(settings.priority_header))
         ids = self.endpoint_ids()
         # No serving endpoint: nothing to wait for; the picker answers 503 no_endpoint at once.
-        if not ids or (not self.queued and not self.pending and self._has_room(ids)):
+        if not ids or (not self.queued and self._has_room(ids)):  # _has_room counts promised slots
             self._admitted[cls.name].inc()
             return None
         now = self._clock()
@@ -400,6 +400,11 @@ class Pool:
         self._depth[waiter.cls.name].dec()
         if not self.queued:
             self._admission._busy.discard(self)
+        # Deadline entries of requests that left are dropped lazily (at the heap's top); compact now and
+        # then so that, under load with long deadlines, they cannot pile up beyond twice the queue.
+        if len(self._deadlines) > 2 * self.queued + 64:
+            self._deadlines = [entry for entry in self._deadlines if entry[2].state is _State.QUEUED]
+            heapq.heapify(self._deadlines)
 
     def _best(self) -> _Waiter:
         heads = [q[0] for q in self._queues.values() if q]

@@ -181,7 +181,7 @@ def _matches(token: str, digests: tuple[bytes, ...]) -> bool:
 def _unauthorized(metrics: RouterMetrics, *, reason: str, missing: bool, what: str) -> web.Response:
     metrics.rejected.labels(reason).inc()
     if missing:
-        message = f"You didn't provide {what}. Send it in an Authorization header: `Authorization: Bearer <key>`."
+        message = f"You didn't provide an {what}. Send it in an Authorization header: `Authorization: Bearer <key>`."
         challenge = 'Bearer realm="fleetroute"'
     else:
         message = f"Incorrect {what} provided."
@@ -197,7 +197,7 @@ def client_auth_middleware(settings: AuthSettings, metrics: RouterMetrics) -> An
     async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         token = _bearer(request.headers.get("Authorization"))
         if token is None or not _matches(token, digests):
-            return _unauthorized(metrics, reason="invalid_api_key", missing=token is None, what="an API key")
+            return _unauthorized(metrics, reason="invalid_api_key", missing=token is None, what="API key")
         return await handler(request)
 
     return require_api_key
@@ -214,7 +214,7 @@ def admin_auth_middleware(settings: AuthSettings, metrics: RouterMetrics) -> Any
             token = _bearer(request.headers.get("Authorization"))
             if token is None or not _matches(token, (digest,)):
                 return _unauthorized(metrics, reason="invalid_admin_token", missing=token is None,
-                                     what="the admin token")
+                                     what="admin token")
         return await handler(request)
 
     return require_admin_token

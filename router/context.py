@@ -41,11 +41,14 @@ class RouterContext:
     http: aiohttp.ClientSession | None = None  # the pooled upstream session (proxy, probes, telemetry)
     sticky: dict[str, StickyTable] = field(default_factory=dict)  # policy name -> session pins
     shared_loads: SharedLoads | None = None  # with Redis: in-flight counts exchanged with other replicas
-    retry_budget: RetryBudget = field(default_factory=RetryBudget)
+    retry_budget: RetryBudget = field(init=False)
     # Set (and replaced) after each telemetry round has been applied: lets tests and tools wait for fresh
     # telemetry instead of sleeping.
     telemetry_round: asyncio.Event = field(default_factory=asyncio.Event)
     started: bool = False
+
+    def __post_init__(self) -> None:
+        self.retry_budget = RetryBudget(self.clock)
 
     def telemetry_round_done(self) -> None:
         done, self.telemetry_round = self.telemetry_round, asyncio.Event()

@@ -11,7 +11,6 @@ that shape plus a log line, never a stack trace to the client.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -161,22 +160,22 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
         if not allowed:
             denied |= {view.id}
             continue
-        retry = bool(tried)
-        if retry and not ctx.retry_budget.allows(ctx.loads.total(), retries.budget_percent, retries.min_concurrency):
+        if not tried:
+            ctx.retry_budget.request_started()
+        elif not ctx.retry_budget.try_spend(retries.budget_percent, retries.min_per_second):
             ctx.metrics.retry_budget_exhausted.labels(model).inc()
             break
-        if retry:
+        else:
             ctx.metrics.retries.labels(model).inc()
         served.attempts = len(tried) + 1
         served.endpoint = view.id
         try:
-            with ctx.retry_budget.spend() if retry else contextlib.nullcontext():
-                served.outcome = await ctx.proxy.forward(
-                    request, view, body, request_id=request_id, timeouts=spec.timeouts, started=started,
-                    retryable=len(tried) + 1 < retries.attempts
-                    and balancer.has_alternative(model, tried | denied | {view.id}),
-                    deadline=deadline,
-                )
+            served.outcome = await ctx.proxy.forward(
+                request, view, body, request_id=request_id, timeouts=spec.timeouts, started=started,
+                retryable=len(tried) + 1 < retries.attempts
+                and balancer.has_alternative(model, tried | denied | {view.id}),
+                deadline=deadline,
+            )
         except UpstreamFailed as exc:
             balancer.report_outcome(spec, model, view.id, False, exc.kind, probe=probe)
             tried |= {view.id}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from router.metrics import RouterMetrics
 
@@ -18,6 +19,7 @@ class LoadTracker:
     def __init__(self, metrics: RouterMetrics) -> None:
         self._counts: defaultdict[str, int] = defaultdict(int)
         self._gauge = metrics.in_flight
+        self._children: dict[str, Any] = {}
         # Other router replicas' in-flight counts, as last read from shared state (empty without Redis).
         self.others: dict[str, int] = {}
         # Called with the endpoint id whenever a request's in-flight ends (admission hands the slot on).
@@ -38,7 +40,9 @@ class LoadTracker:
     @contextmanager
     def track(self, endpoint_id: str) -> Iterator[None]:
         self._counts[endpoint_id] += 1
-        gauge = self._gauge.labels(endpoint_id)
+        gauge = self._children.get(endpoint_id)
+        if gauge is None:  # labels() costs microseconds: resolve each endpoint's child once
+            gauge = self._children[endpoint_id] = self._gauge.labels(endpoint_id)
         gauge.inc()
         try:
             yield

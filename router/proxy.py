@@ -37,8 +37,9 @@ HOP_BY_HOP = frozenset(
         "TE", "Trailer", "Transfer-Encoding", "Upgrade",
     )
 )
-# Set again for the next hop by aiohttp itself.
-_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length"}
+# Set again for the next hop by aiohttp itself. Content-Encoding too: aiohttp's server has already decoded a
+# compressed request body, and the decoded bytes are what is forwarded.
+_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding"}
 _NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length"}
 ENDPOINT_HEADER = "x-fleetroute-endpoint"
 

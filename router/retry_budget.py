@@ -1,27 +1,39 @@
-"""A retry budget: retries may be at most a share of the requests in flight (Envoy's retry budgets).
+"""A retry budget: over any `window` (10 s), retries may be at most `percent` of the requests started, plus
+`min_per_second` (Finagle's RetryBudget; Envoy's retry budgets bound retries the same way).
 
-During a fleet-wide outage every request fails; if each were retried, the failing fleet would receive
-twice the load exactly when it can least take it. With a budget of 20% (and a floor of a few concurrent
-retries so a quiet router can still retry), retries add at most a fifth to the load.
+During a fleet-wide outage every request fails; if each were retried, the failing fleet would receive twice
+the load exactly when it can least take it. With 20% the retries add at most a fifth. The floor lets a
+quiet router, or a short burst of failures from one bad endpoint, still be retried in full.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections import deque
+from collections.abc import Callable
 
 
 class RetryBudget:
-    def __init__(self) -> None:
-        self.active = 0  # retry attempts in progress
+    def __init__(self, clock: Callable[[], float], window: float = 10.0) -> None:
+        self._clock = clock
+        self._window = window
+        self._requests: deque[float] = deque()  # start times within the window
+        self._retries: deque[float] = deque()
 
-    def allows(self, requests_in_flight: int, budget_percent: float, min_concurrency: int) -> bool:
-        return self.active < max(min_concurrency, budget_percent / 100.0 * requests_in_flight)
+    def _trim(self, now: float) -> None:
+        horizon = now - self._window
+        for times in (self._requests, self._retries):
+            while times and times[0] <= horizon:
+                times.popleft()
 
-    @contextmanager
-    def spend(self) -> Iterator[None]:
-        self.active += 1
-        try:
-            yield
-        finally:
-            self.active -= 1
+    def request_started(self) -> None:
+        self._requests.append(self._clock())
+
+    def try_spend(self, percent: float, min_per_second: float) -> bool:
+        """Take one retry from the budget if it allows one now."""
+        now = self._clock()
+        self._trim(now)
+        allowed = percent / 100.0 * len(self._requests) + min_per_second * self._window
+        if len(self._retries) + 1 > allowed:
+            return False
+        self._retries.append(now)
+        return True

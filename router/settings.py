@@ -75,10 +75,10 @@ class Retries:
     # while no byte has reached the client: after a refused or timed-out connection, no response headers
     # within `firstByte`, or a 5xx answer.
     attempts: int = 2
-    # A retry is made only while retries in flight stay under this share of all requests in flight (or
-    # `min_concurrency`), so retries cannot multiply the load of a fleet-wide outage (Envoy retry budgets).
+    # Over any 10 s, retries may be at most this share of the requests started plus `min_per_second`, so
+    # retries cannot multiply the load of a fleet-wide outage (Finagle's and Envoy's retry budgets).
     budget_percent: float = 20.0
-    min_concurrency: int = 3
+    min_per_second: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -317,7 +317,7 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     retries = Retries(
         attempts=r.integer("attempts", Retries.attempts, minimum=1, maximum=10),
         budget_percent=r.number("budgetPercent", Retries.budget_percent, minimum=0, maximum=100),
-        min_concurrency=r.integer("minRetryConcurrency", Retries.min_concurrency, minimum=0),
+        min_per_second=r.number("minRetriesPerSecond", Retries.min_per_second, minimum=0),
     )
     r.done()
     health = _health(f)

@@ -314,3 +314,16 @@ def _sample(metrics: str, series: str) -> float:
         if line.startswith(series + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{series} not in metrics")
+
+
+async def test_a_gzip_request_body_reaches_the_engine_decoded_and_unlabelled(make_engine, make_router, http) -> None:
+    import gzip
+
+    engine = await make_engine("gpu-0")
+    router = await make_router([engine])
+    body = gzip.compress(json.dumps(CHAT).encode())
+    async with http.post(router.ingress_url + "/v1/chat/completions", data=body,
+                         headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}) as resp:
+        assert resp.status == 200
+    assert engine.requests[0]["body"] == CHAT
+    assert "content-encoding" not in {k.lower() for k in engine.requests[0]["headers"]}

@@ -1,0 +1,324 @@
+"""Robustness of the request path under hostile input (hypothesis): malformed JSON, odd encodings, NUL
+bytes, huge and deeply nested bodies, bad headers, odd content types and methods on every route of both
+listeners. The router must never answer 5xx from its own code and never crash; a 5xx is acceptable only
+when an engine produced it (the response names the endpoint), and the router keeps serving afterwards.
+
+The router and a fake engine run on the test's event loop (conftest fixtures). Hypothesis drives a plain
+(sync) test function, which runs each example's request to completion on that loop with
+`run_until_complete`: the loop is idle between fixture set-up and the test body, so this is the one loop
+everything lives on, with no thread. Examples are derandomised (the same inputs every run, so CI is
+stable) and nothing is written to a `.hypothesis` database; set FLEETROUTE_FUZZ_EXAMPLES to explore more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import gzip
+import json
+import logging
+import os
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.app import RunningRouter
+from router.model import EndpointState
+from tests.conftest import MODEL
+from tests.fake_engine import FakeEngine
+
+EXAMPLES = int(os.environ.get("FLEETROUTE_FUZZ_EXAMPLES", "200"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+MAX_BODY = 64 * 1024  # the fuzzed router's limit: big enough for every generated body
+BIG_BODY = 512 * 1024  # the named cases' router: room for 100k-deep nesting (200 kB)
+INFERENCE = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# 5xx the router may produce itself, and only for a valid request while an engine fails: none of them can
+# happen here (the engine is up), so any router-made 5xx is a bug.
+UPSTREAM_CODES = frozenset({"upstream_unreachable", "upstream_error", "upstream_timeout", "no_endpoint"})
+
+
+@dataclass
+class Target:
+    router: RunningRouter
+    engine: FakeEngine
+    http: aiohttp.ClientSession
+    loop: asyncio.AbstractEventLoop
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, 10))
+
+    def still_serving(self) -> None:
+        async def chat() -> int:
+            async with self.http.post(self.router.ingress_url + "/v1/chat/completions",
+                                      json={"model": MODEL, "messages": []}) as resp:
+                await resp.read()
+                return resp.status
+
+        assert self.run(chat()) == 200
+
+
+@pytest.fixture
+async def target(make_engine, make_router, http) -> Target:
+    engine = await make_engine("gpu-0")
+    router = await make_router([engine], limits={"maxBodyBytes": MAX_BODY})
+    return Target(router, engine, http, asyncio.get_running_loop())
+
+
+def _check(status: int, headers: dict[str, str], body: bytes, what: Any) -> None:
+    """The contract: no router-made 5xx; a router-made error is in the OpenAI shape."""
+    proxied = "x-fleetroute-endpoint" in headers
+    if status >= 500:
+        assert proxied, (status, body[:300], what)  # only an engine's own 5xx may pass through
+    if not proxied and status >= 400 and body and headers.get("content-type", "").startswith("application/json"):
+        error = orjson.loads(body)["error"]
+        assert error["code"] and error["message"], what
+        assert "Traceback" not in error["message"], what
+        assert error["code"] not in UPSTREAM_CODES, what
+
+
+def _no_router_errors_logged(caplog: pytest.LogCaptureFixture) -> None:
+    errors = [r for r in caplog.records if r.name.startswith("fleetroute") and r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+# ---- bodies ----------------------------------------------------------------------------------------------
+
+_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20)
+_json_values = st.recursive(
+    _scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+_models = st.sampled_from([MODEL, MODEL + "\x00", "", "gpt-4", MODEL.upper()]) | _json_values
+
+
+@st.composite
+def _payloads(draw: st.DrawFn) -> dict[str, Any]:
+    payload = draw(st.dictionaries(st.text(max_size=10), _json_values, max_size=4))
+    if draw(st.booleans()):
+        payload["model"] = draw(_models)
+    if draw(st.booleans()):
+        payload["stream"] = draw(st.sampled_from([True, False, "yes", None]))
+    return payload
+
+
+def _encode(text: str, encoding: str) -> bytes:
+    return text.encode(encoding, "surrogatepass") if "utf" in encoding else text.encode(encoding, "replace")
+
+
+@st.composite
+def _bodies(draw: st.DrawFn) -> bytes:
+    kinds = ["json", "encoded", "mutated", "bytes", "nested", "nul", "bad-utf8", "json-nan", "not-an-object"]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "bytes":
+        return draw(st.binary(max_size=512))
+    if kind == "not-an-object":  # valid JSON, but a list, a string, a number, null...
+        return json.dumps(draw(_json_values)).encode()
+    if kind == "json-nan":  # Python's json writes NaN and Infinity, which are not JSON
+        return json.dumps(draw(_payloads()), allow_nan=True).encode()
+    text = json.dumps(draw(_payloads()), ensure_ascii=draw(st.booleans()))
+    if kind == "json":
+        return text.encode("utf-8", "surrogatepass")
+    if kind == "encoded":  # JSON must be UTF-8 (RFC 8259): BOMs and other encodings are 400s
+        encoding = draw(st.sampled_from(["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-8-sig", "latin-1"]))
+        return _encode(text, encoding)
+    if kind == "nested":
+        depth = draw(st.integers(min_value=1, max_value=3000))
+        opener, closer = draw(st.sampled_from([("[", "]"), ('{"a":', "}")]))
+        return f'{{"model": "{MODEL}", "x": {opener * depth}1{closer * depth}}}'.encode()
+    data = bytearray(text.encode("utf-8", "surrogatepass"))
+    position = draw(st.integers(min_value=0, max_value=len(data)))
+    if kind == "nul":
+        data[position:position] = b"\x00" * draw(st.integers(min_value=1, max_value=3))
+    elif kind == "bad-utf8":
+        data[position:position] = draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80"]))
+    else:  # mutated: truncated, or a byte flipped
+        if draw(st.booleans()):
+            del data[position:]
+        elif data:
+            index = min(position, len(data) - 1)
+            data[index] = draw(st.integers(min_value=0, max_value=255))
+    return bytes(data)
+
+
+_content_types = st.sampled_from([
+    "application/json", "application/json; charset=utf-16", "text/plain", "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=x", "application/octet-stream", "", ";;;", "application/json; charset=nope",
+])
+
+
+@FUZZ
+@given(path=st.sampled_from(INFERENCE), body=_bodies(), content_type=_content_types)
+def test_fuzzed_bodies_never_get_a_router_5xx(target: Target, caplog, path: str, body: bytes, content_type: str) -> None:
+    async def send() -> tuple[int, dict[str, str], bytes]:
+        async with target.http.post(target.router.ingress_url + path, data=body,
+                                    headers={"Content-Type": content_type}) as resp:
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read()
+
+    status, headers, answer = target.run(send())
+    _check(status, headers, answer, body[:200])
+    _no_router_errors_logged(caplog)
+
+
+# ---- methods, paths and headers, raw on the wire ---------------------------------------------------------
+
+_ROUTES = [
+    *INFERENCE, "/v1/models", "/metrics", "/healthz", "/readyz", "/admin/endpoints",
+    "/admin/endpoints/gpu-0/drain", "/admin/endpoints/gpu-0/resume", "/admin/endpoints/nope/drain",
+]
+_paths = st.sampled_from(_ROUTES) | st.builds(
+    lambda route, suffix: route + suffix, st.sampled_from(_ROUTES),
+    st.sampled_from(["/", "?", "?a=1&a=2", "/..", "%00", "%2e%2e/", "//", "?x=" + "y" * 3000, "#frag", ";p"]),
+) | st.sampled_from(["/", "*", "//v1/models", "/v1/", "/%ff", "/v1/chat/completions/../models", "/" + "a" * 5000])
+_methods = st.sampled_from(
+    ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE", "FOO", "post", "M-SEARCH", "PRI"]
+)
+_header_names = st.text(alphabet="!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
+                        min_size=1, max_size=20)
+_header_values = st.binary(max_size=64).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))
+_special_headers = st.sampled_from([
+    (b"Content-Type", b"application/json"), (b"Content-Type", b"\xff\xfe"), (b"Content-Encoding", b"gzip"),
+    (b"Content-Encoding", b"deflate"), (b"Content-Encoding", b"br"), (b"Content-Encoding", b"zstd"),
+    (b"Content-Encoding", b"bogus"), (b"Expect", b"100-continue"), (b"Expect", b"nothing"),
+    (b"X-Request-Id", b"\xff\xfe"), (b"X-Request-Id", b"a" * 2000), (b"X-Session-Id", b"\x01\x02"),
+    (b"x-priority", b"\xc3\xa9"), (b"x-request-deadline-ms", b"-5"), (b"Authorization", b"Bearer \x80"),
+    (b"Connection", b"upgrade, x-foo"), (b"Upgrade", b"websocket"), (b"Transfer-Encoding", b"gzip"),
+    (b"Host", b""), (b"Host", b"evil.example:1"), (b"Content-Length", b"abc"), (b"Content-Length", b"-1"),
+])
+
+
+@st.composite
+def _raw_requests(draw: st.DrawFn) -> bytes:
+    method = draw(_methods)
+    path = draw(_paths)
+    body_kind = draw(st.sampled_from(["none", "json", "bytes", "gzip-garbage", "gzip-json"]))
+    body = {
+        "none": b"",
+        "json": orjson.dumps({"model": MODEL, "prompt": "x"}),
+        "bytes": draw(st.binary(max_size=256)),
+        "gzip-garbage": b"\x1f\x8b\x08\x00garbage",
+        "gzip-json": gzip.compress(orjson.dumps({"model": MODEL, "prompt": "x"})),
+    }[body_kind]
+    headers = [(b"Host", b"router")]
+    headers += draw(st.lists(st.tuples(_header_names.map(str.encode), _header_values), max_size=4))
+    headers += draw(st.lists(_special_headers, max_size=3, unique=True))
+    names = {name.lower() for name, _ in headers}
+    chunked = draw(st.booleans()) and b"content-length" not in names and b"transfer-encoding" not in names
+    if chunked:
+        headers.append((b"Transfer-Encoding", b"chunked"))
+        framed = (b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
+    else:
+        if b"content-length" not in names and b"transfer-encoding" not in names:
+            headers.append((b"Content-Length", b"%d" % len(body)))
+        framed = body
+    headers.append((b"Connection", b"close"))
+    head = b"%s %s HTTP/1.1\r\n" % (method.encode(), path.encode()) + b"".join(n + b": " + v + b"\r\n" for n, v in headers)
+    return head + b"\r\n" + framed
+
+
+async def _exchange(url: str, data: bytes) -> bytes:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        await writer.drain()
+        try:
+            # Enough for the status line and headers; a bad framing may leave the server waiting for more
+            # body, in which case it must still not have answered 5xx (nothing is read = nothing answered).
+            return await asyncio.wait_for(reader.read(65536), 2)
+        except TimeoutError:
+            return b""
+    finally:
+        writer.close()
+
+
+def _parse(answer: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0].startswith(b"HTTP/1."), answer[:200]
+    status = int(lines[0].split(b" ", 2)[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+    return status, headers, body
+
+
+@FUZZ
+@given(request=_raw_requests(), admin=st.booleans())
+def test_fuzzed_methods_paths_and_headers_never_get_a_router_5xx(
+    target: Target, caplog, request: bytes, admin: bool
+) -> None:
+    url = target.router.admin_url if admin else target.router.ingress_url
+    answer = target.run(_exchange(url, request))
+    if answer:
+        status, headers, body = _parse(answer)
+        _check(status, headers, body if "content-length" in headers else b"", request[:300])
+    _no_router_errors_logged(caplog)
+    # An admin drain from the fuzzer must not leave the next examples without an endpoint.
+    target.router.ctx.balancer.set_state("gpu-0", EndpointState.SERVING)
+
+
+# ---- named cases: the worst inputs, each once --------------------------------------------------------------
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"model": "' + MODEL.encode() + b'", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (_nested(100_000), 400, "invalid_json"),  # orjson's depth limit (1024): a 400, not a RecursionError
+        (b"{" * 100_000, 400, "invalid_json"),
+        (codecs.BOM_UTF16_LE + '{"model": "llama-3-8b"}'.encode("utf-16-le"), 400, "invalid_json"),
+        (codecs.BOM_UTF8 + b'{"model": "llama-3-8b"}', 400, "invalid_json"),
+        (b'{"model": "llama-3-8b", "x": "\xff\xfe"}', 400, "invalid_json"),
+        (b'{"model": "llama-3-8b", "x": "\\ud800"}', 400, "invalid_json"),  # a lone surrogate escape
+        (b'{"model": "llama-3-8b\\u0000"}', 404, "model_not_found"),
+        (b'\x00{"model": "llama-3-8b"}', 400, "invalid_json"),
+        (b'{"model": "llama-3-8b", "n": 1e999}', 400, "invalid_json"),
+        (b'{"model": "llama-3-8b", "pad": "' + b"a" * BIG_BODY + b'"}', 413, "body_too_large"),
+        (b"", 400, "invalid_json"),
+    ],
+    ids=["nested-100k", "open-braces-100k", "utf16-bom", "utf8-bom", "invalid-utf8", "lone-surrogate",
+         "nul-in-model", "leading-nul", "huge-number", "over-limit", "empty"],
+)
+async def test_the_worst_bodies_get_clean_4xx(target_async, body: bytes, status: int, code: str) -> None:
+    router, engine, http = target_async
+    async with http.post(router.ingress_url + "/v1/chat/completions", data=body,
+                         headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == status
+        error = (await resp.json())["error"]
+    assert error["code"] == code
+    assert engine.requests == []
+    async with http.post(router.ingress_url + "/v1/chat/completions", json={"model": MODEL, "messages": []}) as resp:
+        assert resp.status == 200
+
+
+async def test_a_valid_body_at_the_size_limit_is_served(target_async) -> None:
+    router, engine, http = target_async
+    prefix = b'{"model": "' + MODEL.encode() + b'", "messages": [], "pad": "'
+    body = prefix + b"a" * (BIG_BODY - len(prefix) - 2) + b'"}'
+    assert len(body) == BIG_BODY
+    async with http.post(router.ingress_url + "/v1/chat/completions", data=body) as resp:
+        assert resp.status == 200
+    assert len(engine.requests) == 1
+
+
+@pytest.fixture
+async def target_async(make_engine, make_router, http) -> tuple[RunningRouter, FakeEngine, aiohttp.ClientSession]:
+    engine = await make_engine("gpu-0")
+    router = await make_router([engine], limits={"maxBodyBytes": BIG_BODY})
+    return router, engine, http
