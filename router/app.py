@@ -86,11 +86,8 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
                       credentials=auth.upstream_credentials(ctx.settings.auth))
     ctx.http = session
     telemetry = ctx.settings.telemetry
-    tasks: list[asyncio.Task[None]] = [
-        asyncio.create_task(_active_health(ctx, name), name=f"health-{name}")
-        for name, pool in ctx.balancer.health.items()
-        if pool.settings.active.enabled
-    ]
+    sync_health_checks(ctx)
+    tasks: list[asyncio.Task[None]] = []
     redis_store = None
     if telemetry.enabled:
         wake = asyncio.Event()
@@ -115,6 +112,7 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         ctx.draining = True
+        tasks.extend(ctx.health_tasks.values())
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -145,6 +143,15 @@ async def health_round(ctx: RouterContext, policy: str) -> None:
         ctx.balancer.rebuild()
 
 
+def sync_health_checks(ctx: RouterContext) -> None:
+    """One probing task per policy with active health checks (after start-up and after a reload)."""
+    wanted = {name for name, pool in ctx.balancer.health.items() if pool.settings.active.enabled}
+    for name in set(ctx.health_tasks) - wanted:
+        ctx.health_tasks.pop(name).cancel()
+    for name in wanted - set(ctx.health_tasks):
+        ctx.health_tasks[name] = asyncio.create_task(_active_health(ctx, name), name=f"health-{name}")
+
+
 async def _active_health(ctx: RouterContext, policy: str) -> None:
     interval = ctx.balancer.health[policy].settings.active.interval
     while True:  # endpoints start healthy; the first probes run one interval after start-up
@@ -161,10 +168,8 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
         # Pins are read on the request path (on a local miss): fail fast rather than make a request wait.
         client = aioredis.from_url(settings.redis.url, decode_responses=True, socket_timeout=0.1,
                                    socket_connect_timeout=0.1, retry_on_timeout=False)
-    for spec in settings.policies:
-        if spec.stickiness.enabled:
-            ctx.sticky[spec.name] = StickyTable(policy=spec.name, settings=spec.stickiness, metrics=ctx.metrics,
-                                                redis=client, clock=ctx.clock)
+    ctx.sticky_redis = client
+    sync_sticky_tables(ctx)
     shared = SharedLoads(redis=client, loads=ctx.loads, metrics=ctx.metrics,
                          interval=settings.telemetry.interval) if client is not None else None
     ctx.shared_loads = shared
@@ -179,6 +184,39 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
             await table.close()
         if client is not None:
             await client.aclose()
+
+
+def sync_sticky_tables(ctx: RouterContext) -> None:
+    """One session table per policy with stickiness; a table survives a reload that keeps its settings."""
+    wanted = {spec.name: spec.stickiness for spec in ctx.settings.policies if spec.stickiness.enabled}
+    for name in list(ctx.sticky):
+        if wanted.get(name) != ctx.sticky[name].settings:
+            table = ctx.sticky.pop(name)
+            asyncio.get_running_loop().create_task(table.close())
+    for name, stickiness in wanted.items():
+        if name not in ctx.sticky:
+            ctx.sticky[name] = StickyTable(policy=name, settings=stickiness, metrics=ctx.metrics,
+                                           redis=ctx.sticky_redis, clock=ctx.clock)
+
+
+class ReloadRejected(ValueError):
+    pass
+
+
+def apply_settings(ctx: RouterContext, new: Settings) -> None:
+    """Apply a reloaded configuration live: policies, static endpoints and per-request limits. Addresses,
+    Redis, telemetry and worker count need a restart; a change to them rejects the whole reload."""
+    old = ctx.settings
+    fixed = ("listen", "admin", "redis", "telemetry", "workers", "auth", "max_header_bytes")
+    changed = [name for name in fixed if getattr(old, name) != getattr(new, name)]
+    if changed:
+        raise ReloadRejected(f"these settings need a restart: {', '.join(changed)}")
+    ctx.settings = new
+    ctx.balancer.set_policies(new.policies)
+    ctx.balancer.set_endpoints(new.endpoints)
+    ctx.balancer.rebuild()
+    sync_sticky_tables(ctx)
+    sync_health_checks(ctx)
 
 
 async def _housekeeping(ctx: RouterContext, shared: SharedLoads | None) -> None:
@@ -267,10 +305,34 @@ async def start_router(ctx: RouterContext, *, reuse_port: bool = False) -> Runni
     )
 
 
-async def serve(settings: Settings, *, reuse_port: bool = False) -> None:
-    """Run a router until SIGTERM or SIGINT, then drain: readiness fails first, in-flight requests finish."""
+def reload_from(ctx: RouterContext, path: str) -> None:
+    """SIGHUP: re-read the config file; apply it if valid, else keep the running configuration."""
+    from router.settings import ConfigError, load_settings
+
+    try:
+        new = load_settings(path)
+        apply_settings(ctx, new)
+    except (ConfigError, ReloadRejected) as exc:
+        ctx.metrics.config_reloads.labels("rejected").inc()
+        log.error("configuration reload rejected; keeping the running configuration", extra={"error": str(exc)})
+        return
+    ctx.metrics.config_reloads.labels("applied").inc()
+    log.info("configuration reloaded", extra={"policies": [p.name for p in new.policies],
+                                              "endpoints": len(new.endpoints)})
+
+
+async def serve(settings: Settings, *, reuse_port: bool = False, config_path: str | None = None) -> None:
+    """Run a router until SIGTERM or SIGINT, then drain: readiness fails first, in-flight requests finish.
+    SIGHUP reloads `config_path` live."""
     ctx = build_context(settings)
     running = await start_router(ctx, reuse_port=reuse_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if config_path is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload_from, ctx, config_path)
+    # Logged once the signal handlers are in place: whoever waits for this line may signal us at once.
     log.info(
         "router listening",
         extra={
@@ -281,10 +343,6 @@ async def serve(settings: Settings, *, reuse_port: bool = False) -> None:
             "policies": [p.name for p in settings.policies] or ["default"],
         },
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
     finally:

@@ -101,6 +101,26 @@ class Balancer:
             self.rebuild()  # an operator's drain takes effect before the admin call returns
         return True
 
+    def set_policies(self, policies: Iterable[PolicySpec]) -> None:
+        """Swap the policy set live. Health state is kept for policies whose health settings did not change,
+        picker state (round-robin cursor, hash ring) for policies whose strategy and parameters did not."""
+        old = {spec.name: spec for spec in self._policies}
+        self._policies = tuple(policies)
+        health: dict[str, PoolHealth] = {}
+        for spec in (*self._policies, self._fallback):
+            previous = old.get(spec.name, self._fallback if spec is self._fallback else None)
+            pool = self.health.get(spec.name)
+            same = pool is not None and previous is not None and previous.health == spec.health
+            health[spec.name] = pool if same else PoolHealth(spec.name, spec.health, self._metrics, self.gpu_health)
+        self.health = health
+        current = {spec.name: spec for spec in self._policies}
+        self._pool_state = {
+            key: state for key, state in self._pool_state.items()
+            if key[0] in current and key[0] in old
+            and (current[key[0]].strategy, current[key[0]].params) == (old[key[0]].strategy, old[key[0]].params)
+        }
+        self.rebuild()
+
     def endpoints(self) -> list[Endpoint]:
         return list(self._endpoints.values())
 

@@ -74,11 +74,11 @@ def _router(args: argparse.Namespace) -> int:
     if settings.workers > 1:
         from router.workers import run_workers
 
-        return run_workers(settings)
+        return run_workers(settings, path)
     from router.app import serve
 
     try:
-        run_event_loop(serve(settings))
+        run_event_loop(serve(settings, config_path=path))
     except OSError as exc:
         print(f"fleetroute router: cannot listen: {exc}", file=sys.stderr)
         return 1

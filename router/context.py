@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -41,6 +42,8 @@ class RouterContext:
     http: aiohttp.ClientSession | None = None  # the pooled upstream session (proxy, probes, telemetry)
     sticky: dict[str, StickyTable] = field(default_factory=dict)  # policy name -> session pins
     shared_loads: SharedLoads | None = None  # with Redis: in-flight counts exchanged with other replicas
+    sticky_redis: Any = None  # the Redis client session pins use (None without Redis)
+    health_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # active probes per policy
     retry_budget: RetryBudget = field(init=False)
     # Set (and replaced) after each telemetry round has been applied: lets tests and tools wait for fresh
     # telemetry instead of sleeping.

@@ -212,6 +212,12 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        self.config_reloads = Counter(
+            "fleetroute_config_reloads",
+            "Configuration reloads (SIGHUP), by result: applied, rejected (invalid, or a change needing a restart).",
+            ["result"],
+            registry=r,
+        )
         self.rebuilds = Counter(
             "fleetroute_snapshot_rebuilds",
             "Routing snapshots (and pickers) rebuilt after endpoint, state or telemetry changes.",
@@ -244,6 +250,35 @@ class RouterMetrics:
             "Time requests waited in an admission queue before being admitted (only those that had to wait).",
             ["model", "priority"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        # Endpoint discovery (router/discovery/): the source is `kubernetes` (EndpointSlice watch).
+        self.discovery_up = Gauge(
+            "fleetroute_discovery_up",
+            "1 while endpoint discovery is in sync with its source (the Kubernetes API answers and is watched), "
+            "0 while it is not (the last known endpoints are kept).",
+            ["source"],
+            multiprocess_mode="min",
+            registry=r,
+        )
+        self.discovery_errors = Counter(
+            "fleetroute_discovery_errors",
+            "Failed discovery requests, by source and kind: list, watch (opening or reading a watch failed), "
+            "pod (reading a Pod for its models annotation failed).",
+            ["source", "kind"],
+            registry=r,
+        )
+        self.discovery_relists = Counter(
+            "fleetroute_discovery_relists",
+            "Full lists of the discovered objects, by reason: initial, expired (410 Gone: the watch's "
+            "resourceVersion is older than the API server keeps), error (after a failed list).",
+            ["source", "reason"],
+            registry=r,
+        )
+        self.discovery_updates = Counter(
+            "fleetroute_discovery_updates",
+            "Changed endpoint sets handed to the balancer by discovery (a burst of changes counts once).",
+            ["source"],
             registry=r,
         )
 

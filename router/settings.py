@@ -115,6 +115,39 @@ class RedisSettings:
 
 
 @dataclass(frozen=True)
+class KubernetesDiscoverySettings:
+    """`discovery.kubernetes`: watch the EndpointSlices of one Service (or label selector) in one namespace.
+
+    Read by router.discovery.kubernetes, which documents the behaviour; docs/kubernetes.md is the reference.
+    """
+
+    service: str | None = None  # the Service whose slices to watch (label kubernetes.io/service-name)
+    label_selector: str | None = None  # or any EndpointSlice label selector
+    namespace: str | None = None  # None: the pod's own (in-cluster), the kubeconfig context's, or "default"
+    port: str | int | None = None  # a port name, or a number; None: each slice's first port
+    scheme: str = "http"
+    # Where an endpoint's served models come from, first found wins: the Pod's annotation (a Pod read per
+    # new pod, cached), the EndpointSlice's label (the EndpointSlice controller copies Service labels), then
+    # `models`. None turns a source off.
+    model_annotation: str | None = "fleetroute.io/models"
+    model_label: str | None = "fleetroute.io/model"
+    models: tuple[str, ...] = ()
+    kubeconfig: str | None = None  # None: in-cluster config when in a pod, else $KUBECONFIG or ~/.kube/config
+    context: str | None = None  # kubeconfig context; None: its current context
+    sync_timeout: float = 10.0  # start-up waits this long for the first list, then serves what it has
+    watch_timeout: float = 300.0  # the API server ends each watch after this; it is resumed at once
+    initial_backoff: float = 0.5  # retry delay after a failure, doubling per failure up to max_backoff
+    max_backoff: float = 30.0
+
+
+@dataclass(frozen=True)
+class DiscoverySettings:
+    """Dynamic endpoint sources; their endpoints join the static `endpoints:` list."""
+
+    kubernetes: KubernetesDiscoverySettings | None = None
+
+
+@dataclass(frozen=True)
 class Settings:
     listen: Address = Address("0.0.0.0", 8080)
     admin: Address = Address("127.0.0.1", 9090)
@@ -130,6 +163,7 @@ class Settings:
     shutdown_grace: float = 30.0
     max_header_bytes: int = 8190  # per header line and for the request line (aiohttp parser limits)
     auth: AuthSettings | None = None  # router.auth; None: no client keys, no admin token
+    discovery: DiscoverySettings = DiscoverySettings()
 
 
 class _Fields:
@@ -433,6 +467,117 @@ def _redis(top: _Fields) -> RedisSettings:
     return RedisSettings(url=url)
 
 
+# Kubernetes names, as the API server validates them (apimachinery validation): a DNS-1123 label (namespace),
+# a DNS-1035 label (Service), an IANA service name (port name), a qualified name (label/annotation key) and
+# a label value.
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?$")
+_QUALIFIED_NAME = re.compile(
+    r"^(?:(?=[^/]{1,253}/)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"(?=[^/]{1,63}$)[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+_LABEL_VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
+_SELECTOR_KEY = r"(?:[a-z0-9.-]{1,253}/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_SELECTOR_REQUIREMENT = re.compile(
+    rf"^\s*(?:!?\s*{_SELECTOR_KEY}"  # exists / does not exist
+    rf"|{_SELECTOR_KEY}\s*(?:==|=|!=)\s*{_LABEL_VALUE}"
+    rf"|{_SELECTOR_KEY}\s+(?:in|notin)\s*\(\s*{_LABEL_VALUE}(?:\s*,\s*{_LABEL_VALUE})*\s*\))\s*$"
+)
+
+
+def _label_selector_problem(selector: str) -> str | None:
+    """Why the API server would refuse the label selector, or None; the requirements are split on commas
+    outside parentheses (`app=vllm,tier in (a,b),!canary`)."""
+    requirements, depth, start = [], 0, 0
+    for i, char in enumerate(selector):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            requirements.append(selector[start:i])
+            start = i + 1
+    requirements.append(selector[start:])
+    for requirement in requirements:
+        if not _SELECTOR_REQUIREMENT.match(requirement):
+            return f"has an invalid requirement {requirement.strip()!r} (expected key, !key, key=value, " \
+                   "key!=value, key in (a,b) or key notin (a,b))"
+    return None
+
+
+def _optional_key(f: _Fields, key: str, default: str | None) -> str | None:
+    """A label or annotation key, or null to turn that source off."""
+    if f.has(key) and f.get(key) is None:
+        return None
+    value = f.string(key, default)
+    if not _QUALIFIED_NAME.match(value):
+        raise ConfigError(f.at(key), f"must be a Kubernetes label or annotation key like fleetroute.io/models, "
+                                     f"got {value!r}")
+    return value
+
+
+def _kubernetes_discovery(f: _Fields) -> KubernetesDiscoverySettings:
+    d = KubernetesDiscoverySettings()
+    service = f.string("service") if f.get("service") is not None else None
+    if service is not None and not _DNS_1035.match(service):
+        raise ConfigError(f.at("service"), f"must be a Service name (a lower-case DNS label), got {service!r}")
+    selector = f.string("labelSelector") if f.get("labelSelector") is not None else None
+    if service is not None and selector is not None:
+        raise ConfigError(f.at("labelSelector"), "set either service or labelSelector, not both")
+    if service is None and selector is None:
+        raise ConfigError(f.at("service"), "is required (or labelSelector): the Service whose EndpointSlices "
+                                           "to watch")
+    if selector is not None and (problem := _label_selector_problem(selector)):
+        raise ConfigError(f.at("labelSelector"), problem)
+    namespace = f.string("namespace") if f.get("namespace") is not None else None
+    if namespace is not None and not _DNS_LABEL.match(namespace):
+        raise ConfigError(f.at("namespace"), f"must be a namespace name (a lower-case DNS label), got {namespace!r}")
+    port = f.get("port")
+    if port is not None:
+        by_number = isinstance(port, int) and not isinstance(port, bool) and 1 <= port <= 65535
+        if not by_number and not (isinstance(port, str) and _PORT_NAME.match(port)):
+            raise ConfigError(f.at("port"), f"must be a port name (like http) or a number from 1 to 65535, "
+                                            f"got {_show(port)}")
+    models = f.get("models", [])
+    if not isinstance(models, list) or not all(isinstance(m, str) and m.strip() for m in models):
+        raise ConfigError(f.at("models"), f"must be a list of model names, got {_show(models)}")
+    annotation = _optional_key(f, "modelAnnotation", d.model_annotation)
+    label = _optional_key(f, "modelLabel", d.model_label)
+    if annotation is None and label is None and not models:
+        raise ConfigError(f.at("models"), "is required when modelAnnotation and modelLabel are both null: "
+                                          "discovered endpoints need a model")
+    kubeconfig = f.string("kubeconfig") if f.get("kubeconfig") is not None else None
+    context = f.string("context") if f.get("context") is not None else None
+    settings = KubernetesDiscoverySettings(
+        service=service,
+        label_selector=selector,
+        namespace=namespace,
+        port=port,
+        scheme=f.choice("scheme", d.scheme, ("http", "https")),
+        model_annotation=annotation,
+        model_label=label,
+        models=tuple(dict.fromkeys(m.strip() for m in models)),
+        kubeconfig=kubeconfig,
+        context=context,
+        sync_timeout=f.duration("syncTimeout", d.sync_timeout),
+        watch_timeout=f.duration("watchTimeout", d.watch_timeout),
+        initial_backoff=f.duration("initialBackoff", d.initial_backoff),
+        max_backoff=f.duration("maxBackoff", d.max_backoff),
+    )
+    if settings.watch_timeout < 1:
+        raise ConfigError(f.at("watchTimeout"), f"must be at least 1s, got {_show(f.get('watchTimeout'))}")
+    if settings.max_backoff < settings.initial_backoff:
+        raise ConfigError(f.at("maxBackoff"), "must be >= initialBackoff")
+    f.done()
+    return settings
+
+
+def _discovery(top: _Fields) -> DiscoverySettings:
+    """`discovery: {kubernetes: {...}}`; a null or absent block turns that source off."""
+    d = top.sub("discovery")
+    kubernetes = _kubernetes_discovery(d.sub("kubernetes")) if d.get("kubernetes") is not None else None
+    d.done()
+    return DiscoverySettings(kubernetes=kubernetes)
+
+
 def default_policy(registry: PolicyRegistry) -> PolicySpec:
     """Used for models no configured policy matches."""
     adaptive = registry.get("adaptive")
@@ -471,6 +616,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     )
     tel.done()
     redis = _redis(top)
+    discovery = _discovery(top)
     log = top.sub("logging")
     log_level = log.choice("level", "info", LOG_LEVELS)
     access_log = log.boolean("accessLog", True)
@@ -495,6 +641,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         shutdown_grace=shutdown_grace,
         max_header_bytes=max_header,
         auth=auth,
+        discovery=discovery,
     )
 
 

