@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
+from multidict import CIMultiDict
 
 from router import auth
 from router.admission import Admission
+from router.background import contained
 from router.balancer import Balancer
 from router.context import CONTEXT, RouterContext
 from router.handlers import add_admin_routes, add_ingress_routes, openai_errors
@@ -104,7 +106,7 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         feed = TelemetryFeed(store=store, balancer=ctx.balancer, metrics=ctx.metrics)
         tasks.append(asyncio.create_task(
             run_feed(feed, interval=telemetry.interval, wake=wake, before_refresh=before_refresh,
-                     on_round=ctx.telemetry_round_done),
+                     on_round=ctx.telemetry_round_done, metrics=ctx.metrics),
             name="telemetry-feed",
         ))
     ctx.started = True
@@ -128,9 +130,16 @@ async def health_round(ctx: RouterContext, policy: str) -> None:
     pool = ctx.balancer.health[policy]
     endpoints = ctx.balancer.endpoints_for_policy(policy)
     assert ctx.http is not None
-    results = await asyncio.gather(*(pool.active.probe(ctx.http, ep) for ep in endpoints))
+    headers: CIMultiDict[str] = CIMultiDict()
+    credentials = auth.upstream_credentials(ctx.settings.auth)
+    if credentials is not None:
+        credentials(headers)  # the engines' own API key, when one is configured
+    results = await asyncio.gather(*(pool.active.probe(ctx.http, ep, headers) for ep in endpoints))
     changed = False
+    known = {ep.id for ep in ctx.balancer.endpoints()}
     for ep, (ok, error) in zip(endpoints, results, strict=True):
+        if ep.id not in known:
+            continue  # removed while the probes ran: keep no state for it
         ctx.metrics.health_checks.labels(policy, ep.id, "pass" if ok else "fail").inc()
         flipped = pool.active.observe(ep.id, ok, error)
         if flipped is not None:
@@ -156,7 +165,8 @@ async def _active_health(ctx: RouterContext, policy: str) -> None:
     interval = ctx.balancer.health[policy].settings.active.interval
     while True:  # endpoints start healthy; the first probes run one interval after start-up
         await asyncio.sleep(interval)
-        await health_round(ctx, policy)
+        with contained("health_checks", ctx.metrics):
+            await health_round(ctx, policy)
 
 
 async def _shared_state(app: web.Application) -> AsyncIterator[None]:
@@ -207,32 +217,63 @@ def apply_settings(ctx: RouterContext, new: Settings) -> None:
     """Apply a reloaded configuration live: policies, static endpoints and per-request limits. Addresses,
     Redis, telemetry and worker count need a restart; a change to them rejects the whole reload."""
     old = ctx.settings
-    fixed = ("listen", "admin", "redis", "telemetry", "workers", "auth", "max_header_bytes")
+    fixed = ("listen", "admin", "redis", "telemetry", "workers", "auth", "max_header_bytes", "discovery")
     changed = [name for name in fixed if getattr(old, name) != getattr(new, name)]
     if changed:
         raise ReloadRejected(f"these settings need a restart: {', '.join(changed)}")
     ctx.settings = new
     ctx.balancer.set_policies(new.policies)
-    ctx.balancer.set_endpoints(new.endpoints)
+    if ctx.discovery is not None:
+        ctx.discovery.set_static(new.endpoints)  # joined with the discovered ones, published by discovery
+    else:
+        ctx.balancer.set_endpoints(new.endpoints)
     ctx.balancer.rebuild()
     sync_sticky_tables(ctx)
     sync_health_checks(ctx)
 
 
+async def _discovery(app: web.Application) -> AsyncIterator[None]:
+    """Kubernetes endpoint discovery, when configured: start-up waits up to `syncTimeout` for the first list
+    (then serves with what it has, and keeps trying); shutdown stops the watch."""
+    ctx = app[CONTEXT]
+    kube = ctx.settings.discovery.kubernetes
+    if kube is None:
+        yield
+        return
+    from router.discovery.kubernetes import KubernetesDiscovery  # the client is imported only when used
+
+    discovery = KubernetesDiscovery(settings=kube, balancer=ctx.balancer, static=ctx.settings.endpoints,
+                                    metrics=ctx.metrics, rng=ctx.rng)
+    await discovery.start()
+    ctx.discovery = discovery
+    try:
+        try:
+            await asyncio.wait_for(discovery.synced.wait(), kube.sync_timeout)
+        except TimeoutError:
+            log.warning("kubernetes discovery has not synced yet; serving the endpoints known so far",
+                        extra={"sync_timeout_s": kube.sync_timeout, "endpoints": len(ctx.balancer.endpoints())})
+        ctx.balancer.rebuild()  # the discovered endpoints are routable before the listener opens
+        yield
+    finally:
+        ctx.discovery = None
+        await discovery.close()
+
+
 async def _housekeeping(ctx: RouterContext, shared: SharedLoads | None) -> None:
     pinned_series: set[tuple[str, str]] = set()
     while True:
-        ctx.balancer.tick()  # slow-start ramps, ejections and open breakers expire with time
-        if shared is not None:
-            await shared.exchange()
-        current: set[tuple[str, str]] = set()
-        for name, table in ctx.sticky.items():
-            for endpoint, count in table.sweep().items():
-                ctx.metrics.sticky_sessions.labels(name, endpoint).set(count)
-                current.add((name, endpoint))
-        for gone in pinned_series - current:
-            ctx.metrics.sticky_sessions.remove(*gone)
-        pinned_series = current
+        with contained("housekeeping", ctx.metrics):
+            ctx.balancer.tick()  # slow-start ramps, ejections and open breakers expire with time
+            if shared is not None:
+                await shared.exchange()
+            current: set[tuple[str, str]] = set()
+            for name, table in ctx.sticky.items():
+                for endpoint, count in table.sweep().items():
+                    ctx.metrics.sticky_sessions.labels(name, endpoint).set(count)
+                    current.add((name, endpoint))
+            for gone in pinned_series - current:
+                ctx.metrics.sticky_sessions.remove(*gone)
+            pinned_series = current
         await asyncio.sleep(ctx.settings.telemetry.interval)
 
 
@@ -240,6 +281,7 @@ def build_apps(ctx: RouterContext) -> tuple[web.Application, web.Application]:
     protect = auth.ingress_middlewares(ctx.settings.auth, ctx.metrics)  # client API keys, when configured
     ingress = web.Application(client_max_size=ctx.settings.max_body_bytes, middlewares=[openai_errors, *protect])
     ingress[CONTEXT] = ctx
+    ingress.cleanup_ctx.append(_discovery)  # first: the first snapshot already has the discovered endpoints
     ingress.cleanup_ctx.append(_upstream)
     ingress.cleanup_ctx.append(_shared_state)
     add_ingress_routes(ingress)
@@ -338,7 +380,7 @@ async def serve(settings: Settings, *, reuse_port: bool = False, config_path: st
         extra={
             "ingress": running.ingress_url,
             "admin": running.admin_url,
-            "endpoints": len(settings.endpoints),
+            "endpoints": len(ctx.balancer.endpoints()),
             "models": list(ctx.balancer.models()),
             "policies": [p.name for p in settings.policies] or ["default"],
         },

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from router.health.gpu import GpuHealth
@@ -48,7 +48,7 @@ class Balancer:
         self._registry = registry
         self._fallback = default_policy(registry)
         # Health state per policy (its settings are per policy); GPU faults are per endpoint, shared.
-        self.gpu_health = GpuHealth()
+        self.gpu_health = GpuHealth(stale_after=stale_after)
         self.health: dict[str, PoolHealth] = {
             spec.name: PoolHealth(spec.name, spec.health, metrics, self.gpu_health)
             for spec in (*self._policies, self._fallback)
@@ -60,11 +60,13 @@ class Balancer:
         self._clock = clock
         self._endpoints: dict[str, Endpoint] = {}
         self._telemetry: dict[str, Telemetry] = {}
-        self._states: dict[str, EndpointState] = {}
+        self._states: dict[str, EndpointState] = {}  # operators' drains (admin API)
+        self._source_states: dict[str, EndpointState] = {}  # discovery's (Kubernetes: terminating, not ready)
         self._aged: set[str] = set()  # endpoints with a telemetry_age series, removed when they leave
         self._pool_state: dict[tuple[str, str], Any] = {}
         self._pickers: dict[str, tuple[PolicySpec, Picker]] = {}
-        self._pools: dict[str, tuple[EndpointView, ...]] = {}  # serving endpoints per model
+        self._pools: dict[str, tuple[EndpointView, ...]] = {}  # routable endpoints per model
+        self._pool_ids: dict[str, frozenset[str]] = {}  # all serving endpoints per model (healthy or not)
         self._decision_children: dict[tuple[str, str], Any] = {}
         self.snapshot = Snapshot.of(0, ())
         self._models: frozenset[str] = frozenset()
@@ -73,10 +75,17 @@ class Balancer:
 
     # ---- inputs -------------------------------------------------------------------------------------
 
-    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
-        previous = set(self._endpoints)
+    def set_endpoints(self, endpoints: Iterable[Endpoint], states: Mapping[str, EndpointState] | None = None) -> None:
+        """Replace the endpoint set. `states` is the source's own view per endpoint (absent: serving): a
+        Kubernetes endpoint that is terminating or not ready is kept, draining, so its in-flight requests
+        finish. An endpoint takes new requests only while both its source and the operator let it."""
+        previous = self._endpoints
         self._endpoints = {ep.id: ep for ep in endpoints}
-        for gone in previous - set(self._endpoints):
+        self._source_states = {k: v for k, v in (states or {}).items() if v is not EndpointState.SERVING}
+        # An id that now has another URL is a new incarnation (a StatefulSet pod recreated on a new IP): its
+        # telemetry, health and drain state belonged to the old one.
+        moved = {i for i, ep in self._endpoints.items() if i in previous and previous[i].url != ep.url}
+        for gone in (set(previous) - set(self._endpoints)) | moved:
             self._telemetry.pop(gone, None)
             self._states.pop(gone, None)
             self.gpu_health.forget(gone)
@@ -124,6 +133,10 @@ class Balancer:
     def endpoints(self) -> list[Endpoint]:
         return list(self._endpoints.values())
 
+    def _state(self, endpoint_id: str) -> EndpointState:
+        operator = self._states.get(endpoint_id, EndpointState.SERVING)
+        return operator if operator is not EndpointState.SERVING else self._source_states.get(endpoint_id, operator)
+
     # ---- rebuild ------------------------------------------------------------------------------------
 
     def schedule_rebuild(self) -> None:
@@ -154,14 +167,17 @@ class Balancer:
             if telemetry is None:
                 unknown += 1
             views.append(
-                EndpointView(endpoint=ep, telemetry=telemetry, state=self._states.get(ep.id, EndpointState.SERVING))
+                EndpointView(endpoint=ep, telemetry=telemetry, state=self._state(ep.id))
             )
         snapshot = Snapshot.of(self.snapshot.version + 1, tuple(views))
         pickers: dict[str, tuple[PolicySpec, Picker]] = {}
         pools: dict[str, tuple[EndpointView, ...]] = {}
+        pool_ids: dict[str, frozenset[str]] = {}
         for model in snapshot.models():
             spec = self.policy_for(model)
-            pools[model] = self.health[spec.name].admit(model, snapshot.serving(model), now)
+            serving = snapshot.serving(model)
+            pool_ids[model] = frozenset(v.id for v in serving)
+            pools[model] = self.health[spec.name].admit(model, serving, now)
             policy = self._registry.get(spec.strategy)
             assert policy is not None, spec.strategy  # validated with the config
             state_key = (spec.name, model)
@@ -179,6 +195,7 @@ class Balancer:
         self.snapshot = snapshot
         self._pickers = pickers
         self._pools = pools
+        self._pool_ids = pool_ids
         self._models = frozenset(snapshot.models())
         self._metrics.rebuilds.inc()
         self._metrics.telemetry_unknown.set(unknown)
@@ -210,13 +227,22 @@ class Balancer:
 
     def acquire(self, spec: PolicySpec, endpoint_id: str) -> tuple[bool, bool]:
         """May a request go to the endpoint (its breaker's half-open probe slots)? (allowed, is a probe)"""
-        return self.health[spec.name].acquire(endpoint_id, self._clock())
+        pool = self.health.get(spec.name)
+        return pool.acquire(endpoint_id, self._clock()) if pool is not None else (True, False)
 
     def report_outcome(self, spec: PolicySpec, model: str, endpoint_id: str, ok: bool, kind: str, *,
                        probe: bool) -> None:
-        pool_size = len(self.snapshot.serving(model)) or 1
-        if self.health[spec.name].report(endpoint_id, ok, kind, self._clock(), pool_size, probe=probe):
+        pool = self.health.get(spec.name)  # None if a reload removed the policy while the request ran
+        if pool is None or endpoint_id not in self._endpoints:
+            return
+        pool_ids = self._pool_ids.get(model, frozenset())
+        if pool.report(endpoint_id, ok, kind, self._clock(), pool_ids, probe=probe):
             self.rebuild()  # an ejection or a breaker trip takes effect for the very next request
+
+    def release_probe(self, spec: PolicySpec, endpoint_id: str) -> None:
+        pool = self.health.get(spec.name)
+        if pool is not None:
+            pool.breaker(endpoint_id).release()
 
     def health_report(self, endpoint_id: str) -> dict[str, dict[str, object]]:
         """Per policy: why the endpoint is excluded (or null), its breaker state and slow-start weight."""
@@ -229,7 +255,8 @@ class Balancer:
                 "health_check_error": pool.active.last_error(endpoint_id) or None,
             }
             for name, pool in self.health.items()
-            if any(self.policy_for(m).name == name for m in self._endpoints[endpoint_id].models)
+            if endpoint_id in self._endpoints
+            and any(self.policy_for(m).name == name for m in self._endpoints[endpoint_id].models)
         }
 
     def has_alternative(self, model: str, exclude: frozenset[str]) -> bool:

@@ -11,7 +11,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -26,6 +26,9 @@ from router.retry_budget import RetryBudget
 from router.settings import Settings
 from router.shared_loads import SharedLoads
 from router.sticky import StickyTable
+
+if TYPE_CHECKING:  # imported only when Kubernetes discovery is configured (the client is heavy to import)
+    from router.discovery.kubernetes import KubernetesDiscovery
 
 
 @dataclass
@@ -44,6 +47,7 @@ class RouterContext:
     shared_loads: SharedLoads | None = None  # with Redis: in-flight counts exchanged with other replicas
     sticky_redis: Any = None  # the Redis client session pins use (None without Redis)
     health_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # active probes per policy
+    discovery: KubernetesDiscovery | None = None  # while Kubernetes discovery runs (app start-up to shutdown)
     retry_budget: RetryBudget = field(init=False)
     # Set (and replaced) after each telemetry round has been applied: lets tests and tools wait for fresh
     # telemetry instead of sleeping.

@@ -42,7 +42,8 @@ class Served:
     """What became of one inference request, filled in as it progresses (for metrics and the access log)."""
 
     response: web.StreamResponse | None = None
-    model: str = ""
+    model: str = ""  # a model the fleet serves (metric label: never arbitrary client input)
+    requested_model: str = ""
     endpoint: str = ""  # the endpoint of the latest attempt
     outcome: Outcome | None = None  # set once an endpoint answered
     attempts: int = 0
@@ -93,7 +94,7 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
                 "request_id": request_id,
                 "method": request.method,
                 "path": request.path,
-                "model": served.model,
+                "model": served.requested_model,
                 "endpoint": endpoint,
                 "status": status,
                 "attempts": served.attempts,
@@ -129,7 +130,7 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
         message = "you must provide a model parameter" if model is None else "model must be a non-empty string"
         served.response = _reject(ctx, 400, message, code="missing_model", param="model")
         return
-    served.model = model
+    served.requested_model = model  # for the access log; metric labels only ever carry served models
     balancer = ctx.balancer
     if not balancer.serves(model):
         available = ", ".join(balancer.models()) or "none"
@@ -138,6 +139,7 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
             code="model_not_found", param="model",
         )
         return
+    served.model = model
     info = RequestInfo(model=model, request_id=request_id, headers=request.headers, body=payload)
     spec = balancer.policy_for(model)
     pin = await _session_pin(ctx, spec.name, info)
@@ -152,6 +154,7 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     failure: UpstreamFailed | None = None
     retries = spec.retries
     deadline = started + spec.timeouts.total if spec.timeouts.total is not None else None
+    loop = asyncio.get_running_loop()
     while len(tried) < retries.attempts:
         view = _choose(ctx, info, tried | denied if admission is None else admission.exclude(tried | denied), pin)
         if view is None:
@@ -160,32 +163,49 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
         if not allowed:
             denied |= {view.id}
             continue
-        if not tried:
-            ctx.retry_budget.request_started()
-        elif not ctx.retry_budget.try_spend(retries.budget_percent, retries.min_per_second):
-            ctx.metrics.retry_budget_exhausted.labels(model).inc()
-            break
-        else:
-            ctx.metrics.retries.labels(model).inc()
-        served.attempts = len(tried) + 1
-        served.endpoint = view.id
+        reported = False  # a half-open probe slot must be given back whatever happens to the attempt
         try:
-            served.outcome = await ctx.proxy.forward(
-                request, view, body, request_id=request_id, timeouts=spec.timeouts, started=started,
-                retryable=len(tried) + 1 < retries.attempts
-                and balancer.has_alternative(model, tried | denied | {view.id}),
-                deadline=deadline,
+            if not tried:
+                ctx.retry_budget.request_started()
+            elif deadline is not None and loop.time() > deadline - MIN_ATTEMPT_SECONDS:
+                break  # no time left for another attempt: answer with the last failure
+            elif not ctx.retry_budget.try_spend(retries.budget_percent, retries.min_per_second):
+                ctx.metrics.retry_budget_exhausted.labels(model).inc()
+                break
+            else:
+                ctx.metrics.retries.labels(model).inc()
+            served.attempts = len(tried) + 1
+            served.endpoint = view.id
+            # A failure is turned into a retry (rather than passed through) only if one can really follow.
+            retryable = (
+                len(tried) + 1 < retries.attempts
+                and balancer.has_alternative(model, tried | denied | {view.id})
+                and (deadline is None or loop.time() < deadline - 2 * MIN_ATTEMPT_SECONDS)
             )
-        except UpstreamFailed as exc:
-            balancer.report_outcome(spec, model, view.id, False, exc.kind, probe=probe)
-            tried |= {view.id}
-            failure = exc
-            continue
-        outcome = served.outcome
-        failed = outcome.status >= 500 or outcome.error in FAILURE_KINDS
-        balancer.report_outcome(spec, model, view.id, not failed, outcome.error or "http_5xx", probe=probe)
-        served.response = outcome.response
-        return
+            if retryable and not ctx.retry_budget.allows(retries.budget_percent, retries.min_per_second):
+                retryable = False  # a failure of this attempt will be answered, not retried
+                ctx.metrics.retry_budget_exhausted.labels(model).inc()
+            try:
+                served.outcome = await ctx.proxy.forward(
+                    request, view, body, request_id=request_id, timeouts=spec.timeouts, started=started,
+                    retryable=retryable, deadline=deadline,
+                )
+            except UpstreamFailed as exc:
+                balancer.report_outcome(spec, model, view.id, False, exc.kind, probe=probe)
+                reported = True
+                tried |= {view.id}
+                failure = exc
+                continue
+            outcome = served.outcome
+            if outcome.error != "client_disconnect":  # the client leaving says nothing about the endpoint
+                failed = outcome.status >= 500 or outcome.error in FAILURE_KINDS
+                balancer.report_outcome(spec, model, view.id, not failed, outcome.error or "http_5xx", probe=probe)
+                reported = True
+            served.response = outcome.response
+            return
+        finally:
+            if probe and not reported:
+                balancer.release_probe(spec, view.id)
     if failure is not None:
         served.response = _failed_response(model, failure, tried)
         return
@@ -195,6 +215,8 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     )
 
 
+# Below this much time left before `timeouts.total`, no new attempt is started.
+MIN_ATTEMPT_SECONDS = 0.05
 # Outcomes that count against an endpoint (a client disconnect does not).
 FAILURE_KINDS = frozenset({"timeout", "idle_timeout", "total_timeout", "disconnect"})
 

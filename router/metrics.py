@@ -60,14 +60,15 @@ class RouterMetrics:
         self.policy_events = Counter(
             "fleetroute_policy_events",
             "Noteworthy policy decisions: hash_key_missing (consistent-hash fell back to least-connections), "
-            "telemetry_unknown (adaptive picked an endpoint without fresh telemetry).",
+            "telemetry_unknown (adaptive picked an endpoint without fresh telemetry), load_bound_overflow "
+            "(a key walked the ring past an endpoint at its load bound).",
             ["policy", "event"],
             registry=r,
         )
         self.upstream_errors = Counter(
             "fleetroute_upstream_errors",
             "Failures talking to endpoints, by kind: connect, connect_timeout, timeout (no response headers within "
-            "firstByte), http_5xx, "
+            "firstByte), http_5xx, total_timeout, "
             "idle_timeout (a stream stalled), disconnect (endpoint closed mid-response), client_disconnect.",
             ["endpoint", "kind"],
             registry=r,
@@ -208,8 +209,16 @@ class RouterMetrics:
         )
         self.retry_budget_exhausted = Counter(
             "fleetroute_retry_budget_exhausted",
-            "Retries not made because the retry budget (a share of requests in flight) was used up.",
+            "Attempts whose failure could not be retried because the retry budget (over 10 s, a share of the "
+            "requests started plus a floor per second) was used up.",
             ["model"],
+            registry=r,
+        )
+        self.background_errors = Counter(
+            "fleetroute_background_errors",
+            "Unexpected errors in a step of a background loop (telemetry, housekeeping, health checks); the "
+            "loop goes on. Any increase is a bug worth reporting.",
+            ["task"],
             registry=r,
         )
         self.config_reloads = Counter(
@@ -271,7 +280,7 @@ class RouterMetrics:
         self.discovery_relists = Counter(
             "fleetroute_discovery_relists",
             "Full lists of the discovered objects, by reason: initial, expired (410 Gone: the watch's "
-            "resourceVersion is older than the API server keeps), error (after a failed list).",
+            "resourceVersion is older than the API server keeps).",
             ["source", "reason"],
             registry=r,
         )

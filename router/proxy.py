@@ -197,7 +197,8 @@ class Proxy:
                     chunk = await content.readany()
                     if not chunk:
                         break
-                    idle.reschedule(None)  # a slow client is back-pressure, not an idle engine
+                    # A slow client is back-pressure, not an idle engine; only the total deadline still applies.
+                    idle.reschedule(deadline)
                     if outcome.ttfb is None:
                         outcome.ttfb = loop.time() - started
                     await response.write(chunk)

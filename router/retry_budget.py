@@ -26,14 +26,18 @@ class RetryBudget:
                 times.popleft()
 
     def request_started(self) -> None:
-        self._requests.append(self._clock())
+        now = self._clock()
+        self._trim(now)  # keeps the deques to one window of entries
+        self._requests.append(now)
+
+    def allows(self, percent: float, min_per_second: float) -> bool:
+        """Would the budget allow one more retry now?"""
+        self._trim(self._clock())
+        return len(self._retries) + 1 <= percent / 100.0 * len(self._requests) + min_per_second * self._window
 
     def try_spend(self, percent: float, min_per_second: float) -> bool:
         """Take one retry from the budget if it allows one now."""
-        now = self._clock()
-        self._trim(now)
-        allowed = percent / 100.0 * len(self._requests) + min_per_second * self._window
-        if len(self._retries) + 1 > allowed:
+        if not self.allows(percent, min_per_second):
             return False
-        self._retries.append(now)
+        self._retries.append(self._clock())
         return True

@@ -314,6 +314,8 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     name = f.string("name")
     if not POLICY_NAME.match(name):
         raise ConfigError(f.at("name"), f"must be a lower-case DNS label (a-z, 0-9, '-'), got {name!r}")
+    if name == FALLBACK_POLICY:
+        raise ConfigError(f.at("name"), f"{name!r} is reserved for the built-in policy of unmatched models")
     models = f.get("models", ["*"])
     if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
         raise ConfigError(f.at("models"), f"must be a non-empty list of model names or patterns, got {_show(models)}")
@@ -516,6 +518,10 @@ def _optional_key(f: _Fields, key: str, default: str | None) -> str | None:
 
 def _kubernetes_discovery(f: _Fields) -> KubernetesDiscoverySettings:
     d = KubernetesDiscoverySettings()
+    # A misspelt key is reported as such, before the checks below would complain about what it meant to set.
+    f.used.update(("service", "labelSelector", "namespace", "port", "scheme", "modelAnnotation", "modelLabel",
+                   "models", "kubeconfig", "context", "syncTimeout", "watchTimeout", "initialBackoff", "maxBackoff"))
+    f.done()
     service = f.string("service") if f.get("service") is not None else None
     if service is not None and not _DNS_1035.match(service):
         raise ConfigError(f.at("service"), f"must be a Service name (a lower-case DNS label), got {service!r}")
@@ -578,11 +584,14 @@ def _discovery(top: _Fields) -> DiscoverySettings:
     return DiscoverySettings(kubernetes=kubernetes)
 
 
+FALLBACK_POLICY = "builtin-fallback"  # reserved: per-policy state is keyed by name
+
+
 def default_policy(registry: PolicyRegistry) -> PolicySpec:
     """Used for models no configured policy matches."""
     adaptive = registry.get("adaptive")
     assert adaptive is not None
-    return PolicySpec(name="default", models=("*",), strategy="adaptive", params=adaptive.parse({}))
+    return PolicySpec(name=FALLBACK_POLICY, models=("*",), strategy="adaptive", params=adaptive.parse({}))
 
 
 def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings:

@@ -87,6 +87,7 @@ class SharedLoads:
         total: dict[str, int] = {}
         for fields in hashes:
             for endpoint, value in fields.items():
-                total[endpoint] = total.get(endpoint, 0) + int(value)
+                if value.isdigit():  # another replica's garbage must not stop this one
+                    total[endpoint] = total.get(endpoint, 0) + int(value)
         self._loads.others = total
         self._metrics.router_replicas.set(len(others) + 1)

@@ -31,6 +31,7 @@ import aiohttp
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from router.background import contained
 from router.balancer import Balancer
 from router.metrics import RouterMetrics
 from router.model import Endpoint, Telemetry
@@ -82,7 +83,7 @@ class RedisStore:
                     async for message in pubsub.listen():
                         if message.get("type") == "message":
                             wake.set()
-            except (RedisError, OSError):
+            except (RedisError, OSError, UnicodeDecodeError):
                 pass  # the refresh loop reports Redis outages; here we only retry
             await asyncio.sleep(retry_after)
 
@@ -130,7 +131,7 @@ class TelemetryFeed:
         ids = [ep.id for ep in self._balancer.endpoints()]
         try:
             raw = await self._store.read(ids) if ids else {}
-        except (RedisError, OSError) as exc:
+        except (RedisError, OSError, UnicodeDecodeError) as exc:  # undecodable bytes: a broken store, too
             self._metrics.store_errors.inc()
             self._metrics.store_up.set(0)
             if not self._store_down:
@@ -203,17 +204,26 @@ async def run_feed(
     wake: asyncio.Event,
     before_refresh: Callable[[], object] | None = None,
     on_round: Callable[[], None] | None = None,
+    metrics: RouterMetrics,
 ) -> None:
-    """Refresh every `interval`, or earlier when `wake` is set (coalescing everything that arrived)."""
+    """Refresh every `interval`, or earlier when `wake` is set, but at most every interval/4: agents
+    publishing at spread-out moments must not cause one full refresh (and rebuild) each."""
+    loop = asyncio.get_running_loop()
     while True:
-        if before_refresh is not None:
-            result = before_refresh()
-            if asyncio.iscoroutine(result):
-                await result
-        await feed.refresh()
-        if on_round is not None:
-            on_round()
-        wake.clear()
+        started = loop.time()
+        with contained("telemetry", metrics):
+            if before_refresh is not None:
+                result = before_refresh()
+                if asyncio.iscoroutine(result):
+                    await result
+            await feed.refresh()
+            if on_round is not None:
+                on_round()
+        await asyncio.sleep(max(0.0, started + interval / 4 - loop.time()))
+        if wake.is_set():  # updates arrived meanwhile: one refresh covers them all
+            wake.clear()
+            continue
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(interval):
+            async with asyncio.timeout(max(0.0, started + interval - loop.time())):
                 await wake.wait()
+        wake.clear()

@@ -94,8 +94,13 @@ class Agent:
         loop = asyncio.get_running_loop()
         next_tick = loop.time()
         while True:
-            await self.tick()
-            next_tick += self.settings.interval
+            try:
+                await self.tick()
+            except Exception:  # a bug in one sample must not silence the agent for good
+                log.exception("telemetry sample failed; the agent goes on",
+                              extra={"endpoint": self.settings.endpoint_id})
+            # After a stall, skip the missed ticks instead of firing them back to back.
+            next_tick = max(next_tick + self.settings.interval, loop.time())
             await asyncio.sleep(max(0.0, next_tick - loop.time()))
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ judge age from `reported_at` and treat old records as unknown.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
@@ -149,7 +150,8 @@ def _float(raw: Mapping[str, str], key: str) -> float | None:
     value = raw.get(key)
     if value is None or value == "":
         return None
-    return float(value)
+    number = float(value)
+    return number if math.isfinite(number) else None  # NaN or inf would poison every comparison
 
 
 def decode(raw: Mapping[str, str]) -> TelemetryRecord:

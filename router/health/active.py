@@ -9,6 +9,7 @@ restart must not empty a working fleet while the first probes run.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -67,7 +68,9 @@ class ActiveHealth:
     def forget(self, endpoint_id: str) -> None:
         self._tracks.pop(endpoint_id, None)
 
-    async def probe(self, session: aiohttp.ClientSession, endpoint: Endpoint) -> tuple[bool, str]:
+    async def probe(self, session: aiohttp.ClientSession, endpoint: Endpoint,
+                    headers: Mapping[str, str] | None = None) -> tuple[bool, str]:
+        """`headers` go with the probe request (e.g. the engines' API key)."""
         s = self.settings
         timeout = aiohttp.ClientTimeout(total=s.timeout)
         try:
@@ -77,7 +80,8 @@ class ActiveHealth:
                     return False, f"{s.path} answered {resp.status}"
             if s.probe_request:
                 body = {"model": endpoint.models[0], "prompt": "ping", "max_tokens": 1}
-                async with session.post(endpoint.url + "/v1/completions", json=body, timeout=timeout) as resp:
+                async with session.post(endpoint.url + "/v1/completions", json=body, timeout=timeout,
+                                        headers=headers) as resp:
                     await resp.read()
                     if resp.status != 200:
                         return False, f"probe completion answered {resp.status}"

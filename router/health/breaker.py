@@ -70,6 +70,10 @@ class CircuitBreaker:
             return True
         return False
 
+    def release(self) -> None:
+        """Give back a probe slot without a verdict (the attempt ended without an outcome)."""
+        self._probes_in_flight = max(0, self._probes_in_flight - 1)
+
     def record(self, ok: bool, now: float, *, probe: bool) -> BreakerState | None:
         """Count an outcome; returns the new state if it changed."""
         if probe:

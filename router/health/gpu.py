@@ -1,6 +1,7 @@
 """GPU health from the agent's telemetry: a GPU that is lost, throttling for heat, or has just reported new
 XID or uncorrectable ECC errors is unhealthy. XID/ECC counters are cumulative, so a *rise* marks the
-endpoint unhealthy for `hold` seconds; a lost GPU or thermal throttling lasts as long as it is reported.
+endpoint unhealthy for `hold` seconds; a lost GPU or thermal throttling lasts as long as it is reported, and
+no longer than the report is fresh (`stale_after`): if the agent dies, its last word is not kept forever.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ class _Seen:
 
 
 class GpuHealth:
-    def __init__(self, hold: float = 60.0) -> None:
+    def __init__(self, hold: float = 60.0, stale_after: float = 5.0) -> None:
         self.hold = hold
+        self.stale_after = stale_after
         self._seen: dict[str, _Seen] = {}
-        self._current: dict[str, str] = {}
+        self._current: dict[str, tuple[str, float]] = {}  # endpoint -> (fault, time of the report)
 
     def observe(self, endpoint_id: str, t: Telemetry, now: float) -> None:
         seen = self._seen.setdefault(endpoint_id, _Seen())
@@ -36,16 +38,16 @@ class GpuHealth:
             if value is not None:
                 setattr(seen, name, value)
         if t.gpu_lost:
-            self._current[endpoint_id] = "gpu_lost"
+            self._current[endpoint_id] = ("gpu_lost", t.reported_at)
         elif t.gpu_throttle_reasons is not None and t.gpu_throttle_reasons & THERMAL_REASONS:
-            self._current[endpoint_id] = "thermal_throttling"
+            self._current[endpoint_id] = ("thermal_throttling", t.reported_at)
         else:
             self._current.pop(endpoint_id, None)
 
     def fault(self, endpoint_id: str, now: float) -> str | None:
         current = self._current.get(endpoint_id)
-        if current is not None:
-            return current
+        if current is not None and now - current[1] <= self.stale_after:
+            return current[0]
         seen = self._seen.get(endpoint_id)
         if seen is not None and seen.fault_until > now:
             return seen.fault

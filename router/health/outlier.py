@@ -54,7 +54,7 @@ class OutlierDetector:
         if state is not None:
             state.consecutive = 0
 
-    def failure(self, endpoint_id: str, kind: str, now: float, pool_size: int) -> Ejection | None:
+    def failure(self, endpoint_id: str, kind: str, now: float, pool_ids: frozenset[str]) -> Ejection | None:
         """Count a failure; returns the ejection it caused, if any."""
         s = self.settings
         if not s.enabled:
@@ -63,8 +63,9 @@ class OutlierDetector:
         state.consecutive += 1
         if state.consecutive < s.consecutive_failures or state.ejected_until > now:
             return None
-        ejected = sum(1 for st in self._states.values() if st.ejected_until > now)
-        if (ejected + 1) * 100 > s.max_ejection_percent * max(pool_size, 1):
+        # The cap counts the endpoint's own pool (one model's endpoints), not every pool of the policy.
+        ejected = sum(1 for eid in pool_ids if eid in self._states and self._states[eid].ejected_until > now)
+        if (ejected + 1) * 100 > s.max_ejection_percent * max(len(pool_ids), 1):
             return None  # would eject too much of the pool: keep it, the breaker and panic mode still act
         quiet = now - state.last_ejection
         if math.isfinite(quiet):
@@ -76,6 +77,16 @@ class OutlierDetector:
         state.consecutive = 0
         state.reason = kind
         return Ejection(endpoint_id, duration, kind)
+
+    def any_ejected(self) -> bool:
+        """Is an ejection pending expiry (so time alone will change routability)? Checked against the last
+        ejection times: an expired one is cleared here, so ticks stop once everything is back."""
+        return any(st.ejected_until > 0 for st in self._states.values())
+
+    def expire(self, now: float) -> None:
+        for st in self._states.values():
+            if 0 < st.ejected_until <= now:
+                st.ejected_until = 0.0
 
     def ejected(self, endpoint_id: str, now: float) -> bool:
         state = self._states.get(endpoint_id)

@@ -70,6 +70,7 @@ class PoolHealth:
         return None
 
     def admit(self, model: str, views: tuple[EndpointView, ...], now: float) -> tuple[EndpointView, ...]:
+        self.outlier.expire(now)
         healthy = []
         breaker_codes = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
         for view in views:
@@ -125,13 +126,14 @@ class PoolHealth:
         probe = breaker.current(now) is BreakerState.HALF_OPEN
         return breaker.try_acquire(now), probe
 
-    def report(self, endpoint_id: str, ok: bool, kind: str, now: float, pool_size: int, *, probe: bool) -> bool:
+    def report(self, endpoint_id: str, ok: bool, kind: str, now: float, pool_ids: frozenset[str], *,
+               probe: bool) -> bool:
         """Count a request's outcome. True if the endpoint's routability changed (rebuild needed)."""
         changed = False
         if ok:
             self.outlier.success(endpoint_id)
         else:
-            ejection = self.outlier.failure(endpoint_id, kind, now, pool_size)
+            ejection = self.outlier.failure(endpoint_id, kind, now, pool_ids)
             if ejection is not None:
                 changed = True
                 self._metrics.ejections.labels(self.policy, endpoint_id, kind).inc()
@@ -148,9 +150,12 @@ class PoolHealth:
         """True while time alone changes routability (ramps, ejections and open breakers expiring)."""
         return self.slow_start.ramping() or any(
             b.state is not BreakerState.CLOSED for b in self._breakers.values()
-        ) or bool(self.outlier._states)
+        ) or self.outlier.any_ejected()
 
     def forget(self, endpoint_id: str) -> None:
+        reason = self._excluded.pop(endpoint_id, None)
+        if reason is not None:
+            self._metrics.excluded.remove(self.policy, endpoint_id, reason)
         self.active.forget(endpoint_id)
         self.outlier.forget(endpoint_id)
         self.slow_start.forget(endpoint_id)

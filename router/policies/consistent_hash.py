@@ -134,13 +134,14 @@ class ConsistentHashPicker:
     def _pick_bounded(self, key: str, loads: LoadView, exclude: frozenset[str], factor: float) -> EndpointView | None:
         assert self._ring is not None
         bound = load_bound(self._views, loads, factor)
-        first = True
+        owner = self._ring.get_node(key)
+        if owner not in exclude and loads.cluster_in_flight(owner) < bound:
+            return self._by_id[owner]  # the common case: no ring walk (uhashring copies the ring to walk it)
         for node in self._ring.iterate_nodes(key):
             if node not in exclude and loads.cluster_in_flight(node) < bound:
-                if not first:
+                if owner not in exclude:  # the owner was full (not merely excluded after a failure)
                     self._events("load_bound_overflow")
                 return self._by_id[node]
-            first = False
         # Every endpoint is at the bound (only possible with exclusions): the least loaded one.
         return least_loaded(self._views, loads, exclude, self._rng)
 

@@ -12,6 +12,8 @@ from router.model import EndpointView
 
 
 def clamp(value: float) -> float:
+    if value != value:  # NaN: treat as the worst score rather than let it poison comparisons
+        return 0.0
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value
 
 

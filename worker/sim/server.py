@@ -120,7 +120,15 @@ class SimServer:
                 await self._wake.wait()
                 continue
             started = loop.time()
-            result = self.engine.step(self.sim_now())
+            try:
+                result = self.engine.step(self.sim_now())
+            except Exception:  # a simulator bug: fail the waiting requests rather than hang them forever
+                log.exception("engine step failed; aborting the requests in flight")
+                for pending in list(self._pending.values()):
+                    self.engine.abort(pending.request.request_id)
+                    pending.updates.put_nowait(None)
+                await asyncio.sleep(0.1)
+                continue
             if result.idle:
                 # Nothing to run yet (a static batch still filling): wait out the window or a new arrival.
                 self._wake.clear()
