@@ -123,6 +123,7 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         if redis_store is not None:
             await redis_store.close()
         await session.close()
+        ctx.access_log.flush()
 
 
 async def health_round(ctx: RouterContext, policy: str) -> None:
@@ -217,10 +218,12 @@ def apply_settings(ctx: RouterContext, new: Settings) -> None:
     """Apply a reloaded configuration live: policies, static endpoints and per-request limits. Addresses,
     Redis, telemetry and worker count need a restart; a change to them rejects the whole reload."""
     old = ctx.settings
-    fixed = ("listen", "admin", "redis", "telemetry", "workers", "auth", "max_header_bytes", "discovery")
+    fixed = ("listen", "admin", "redis", "telemetry", "workers", "auth", "max_header_bytes", "discovery", "control")
     changed = [name for name in fixed if getattr(old, name) != getattr(new, name)]
     if changed:
         raise ReloadRejected(f"these settings need a restart: {', '.join(changed)}")
+    if ctx.control is not None:  # the file's policies are the base the RoutingPolicies are merged onto
+        new = ctx.control.rebase(new)
     ctx.settings = new
     ctx.balancer.set_policies(new.policies)
     if ctx.discovery is not None:
@@ -259,6 +262,31 @@ async def _discovery(app: web.Application) -> AsyncIterator[None]:
         await discovery.close()
 
 
+async def _control(app: web.Application) -> AsyncIterator[None]:
+    """RoutingPolicy resources, when `control.kubernetes` is configured: start-up waits up to `syncTimeout` for
+    the first list (their policies route the first request), then they are applied live as they change."""
+    ctx = app[CONTEXT]
+    kube = ctx.settings.control.kubernetes if ctx.settings.control is not None else None
+    if kube is None:
+        yield
+        return
+    from router.control.routing_policies import RoutingPolicyController  # the client is imported only when used
+
+    controller = RoutingPolicyController(settings=kube, ctx=ctx)
+    await controller.start()
+    ctx.control = controller
+    try:
+        try:
+            await asyncio.wait_for(controller.synced.wait(), kube.sync_timeout)
+        except TimeoutError:
+            log.warning("RoutingPolicies not listed yet; serving with the config file's policies",
+                        extra={"sync_timeout_s": kube.sync_timeout})
+        yield
+    finally:
+        ctx.control = None
+        await controller.close()
+
+
 async def _housekeeping(ctx: RouterContext, shared: SharedLoads | None) -> None:
     pinned_series: set[tuple[str, str]] = set()
     while True:
@@ -284,6 +312,7 @@ def build_apps(ctx: RouterContext) -> tuple[web.Application, web.Application]:
     ingress.cleanup_ctx.append(_discovery)  # first: the first snapshot already has the discovered endpoints
     ingress.cleanup_ctx.append(_upstream)
     ingress.cleanup_ctx.append(_shared_state)
+    ingress.cleanup_ctx.append(_control)  # last: its policies get the session tables and health checks above
     add_ingress_routes(ingress)
     admin = web.Application(middlewares=[openai_errors, *auth.admin_middlewares(ctx.settings.auth, ctx.metrics)])
     admin[CONTEXT] = ctx

@@ -94,6 +94,8 @@ class Balancer:
             if gone in self._aged:
                 self._aged.discard(gone)
                 self._metrics.telemetry_age.remove(gone)
+            self._metrics.forget_endpoint(gone)
+            self._decision_children = {k: v for k, v in self._decision_children.items() if k[1] != gone}
         self.schedule_rebuild()
 
     def report_telemetry(self, endpoint_id: str, telemetry: Telemetry) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from router.access_log import AccessLog
 from router.admission import Admission
 from router.balancer import Balancer
 from router.loads import LoadTracker
@@ -28,6 +29,7 @@ from router.shared_loads import SharedLoads
 from router.sticky import StickyTable
 
 if TYPE_CHECKING:  # imported only when Kubernetes discovery is configured (the client is heavy to import)
+    from router.control.routing_policies import RoutingPolicyController
     from router.discovery.kubernetes import KubernetesDiscovery
 
 
@@ -48,7 +50,9 @@ class RouterContext:
     sticky_redis: Any = None  # the Redis client session pins use (None without Redis)
     health_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # active probes per policy
     discovery: KubernetesDiscovery | None = None  # while Kubernetes discovery runs (app start-up to shutdown)
+    control: RoutingPolicyController | None = None  # while RoutingPolicies are watched (router.control)
     retry_budget: RetryBudget = field(init=False)
+    access_log: AccessLog = field(default_factory=AccessLog)
     # Set (and replaced) after each telemetry round has been applied: lets tests and tools wait for fresh
     # telemetry instead of sleeping.
     telemetry_round: asyncio.Event = field(default_factory=asyncio.Event)

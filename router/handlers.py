@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,7 +27,6 @@ from router.proxy import Outcome, UpstreamFailed
 from router.sticky import StickyTable
 
 log = logging.getLogger("fleetroute.handlers")
-access_log = logging.getLogger("fleetroute.access")
 
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
@@ -63,8 +63,8 @@ class Served:
 
 async def inference(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
-    loop = asyncio.get_running_loop()
-    started = loop.time()
+    # perf_counter, not loop.time(): uvloop's clock has millisecond resolution, too coarse for TTFB.
+    started = time.perf_counter()
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     served = Served()
     try:
@@ -75,22 +75,22 @@ async def inference(request: web.Request) -> web.StreamResponse:
         served.failure = exc
         raise
     finally:
-        _record(ctx, request, request_id, served, loop.time() - started)
+        _record(ctx, request, request_id, served, time.perf_counter() - started)
 
 
 def _record(ctx: RouterContext, request: web.Request, request_id: str, served: Served, duration: float) -> None:
     outcome = served.outcome
     endpoint = served.endpoint
     status = served.status
-    ctx.metrics.requests.labels(served.model, endpoint, str(status)).inc()
+    metrics = ctx.metrics
+    metrics.child(metrics.requests, served.model, endpoint, str(status)).inc()
     if endpoint:
-        ctx.metrics.request_duration.labels(served.model, endpoint).observe(duration)
+        metrics.child(metrics.request_duration, served.model, endpoint).observe(duration)
         if outcome is not None and outcome.ttfb is not None:
-            ctx.metrics.time_to_first_byte.labels(served.model, endpoint).observe(outcome.ttfb)
+            metrics.child(metrics.time_to_first_byte, served.model, endpoint).observe(outcome.ttfb)
     if ctx.settings.access_log:
-        access_log.info(
-            "request",
-            extra={
+        ctx.access_log.write(
+            {
                 "request_id": request_id,
                 "method": request.method,
                 "path": request.path,
@@ -103,7 +103,7 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
                 "upstream_error": outcome.error if outcome else None,
                 "failure": type(served.failure).__name__ if served.failure else None,
                 "client": request.remote,
-            },
+            }
         )
 
 
@@ -153,7 +153,9 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     denied: frozenset[str] = frozenset()  # endpoints whose half-open breaker had no probe slot free
     failure: UpstreamFailed | None = None
     retries = spec.retries
-    deadline = started + spec.timeouts.total if spec.timeouts.total is not None else None
+    # Deadlines are on the loop's clock (asyncio timeouts use it); `started` is on perf_counter.
+    total = spec.timeouts.total
+    deadline = asyncio.get_running_loop().time() - (time.perf_counter() - started) + total if total else None
     loop = asyncio.get_running_loop()
     while len(tried) < retries.attempts:
         view = _choose(ctx, info, tried | denied if admission is None else admission.exclude(tried | denied), pin)

@@ -9,6 +9,7 @@ they are merged across processes.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -22,6 +23,7 @@ LATENCY_BUCKETS = (
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "fleetroute_requests",
@@ -290,6 +292,19 @@ class RouterMetrics:
             ["source"],
             registry=r,
         )
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, cached: labels() costs microseconds, and the request path calls it for
+        every request. Label values here are bounded (served models, endpoints, statuses)."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
+    def forget_endpoint(self, endpoint_id: str) -> None:
+        """Drop cached children of an endpoint that left (its series stay until the process restarts)."""
+        self._children = {k: v for k, v in self._children.items() if endpoint_id not in k[1]}
 
     def render(self) -> bytes:
         """The exposition text: this process's registry, or every worker process's in multi-process mode."""

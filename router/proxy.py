@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -200,7 +201,7 @@ class Proxy:
                     # A slow client is back-pressure, not an idle engine; only the total deadline still applies.
                     idle.reschedule(deadline)
                     if outcome.ttfb is None:
-                        outcome.ttfb = loop.time() - started
+                        outcome.ttfb = time.perf_counter() - started
                     await response.write(chunk)
             await response.write_eof()
             clean = True

@@ -35,6 +35,7 @@ from router.sticky import StickinessSettings
 if TYPE_CHECKING:  # parsed by their own modules, which build on this one's field reader
     from router.admission import AdmissionSettings
     from router.auth import AuthSettings
+    from router.control import ControlSettings
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 ENDPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -164,6 +165,7 @@ class Settings:
     max_header_bytes: int = 8190  # per header line and for the request line (aiohttp parser limits)
     auth: AuthSettings | None = None  # router.auth; None: no client keys, no admin token
     discovery: DiscoverySettings = DiscoverySettings()
+    control: ControlSettings | None = None  # router.control: RoutingPolicy resources; None: file policies only
 
 
 class _Fields:
@@ -635,6 +637,9 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     from router.auth import parse_auth  # here, not on top: router.auth builds on this module
 
     auth = parse_auth(top)
+    from router.control import parse_control  # here, not on top: router.control builds on this module
+
+    control = parse_control(top)
     top.done()
     return Settings(
         listen=listen,
@@ -651,6 +656,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         max_header_bytes=max_header,
         auth=auth,
         discovery=discovery,
+        control=control,
     )
 
 

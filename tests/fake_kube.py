@@ -15,6 +15,12 @@ resources it knows (EndpointSlices, Pods, Services, Namespaces; add more to `RES
   stops matching a watch's label selector is ADDED or DELETED for it. `allowWatchBookmarks=true` watches get
   BOOKMARK events when the test calls `bookmark()`. `timeoutSeconds` ends a watch.
 
+Custom resources: a plural in `crds` (a tests/fake_crd.py `FakeCRD`) gets the CRD's defaults, schema and CEL
+validation on every write (422 `Invalid` with field messages), `as=Table` answers with its printer columns
+(list, get and watch: kubectl get and get -w), and a `/status` subresource (RoutingPolicies): writes to the
+object keep its status, writes to `/status` change only the status, and `metadata.generation` moves only
+when the spec does. Leases (coordination.k8s.io/v1) are plain objects with the PUT resourceVersion check.
+
 The test drives it: `create`/`update`/`delete` objects (each bumps the cluster-wide resourceVersion, as
 etcd's revision), `compact()` the history, `close_watches()` (cleanly or abruptly), `expire_watches()` (an
 ERROR 410 on every open watch), `bookmark()`, and `stop()`/`start()` for an outage (connections refused on
@@ -62,7 +68,10 @@ RESOURCES = (
     Resource("", "v1", "pods", "Pod", "pod", short_names=("po",)),
     Resource("", "v1", "services", "Service", "service", short_names=("svc",)),
     Resource("", "v1", "namespaces", "Namespace", "namespace", namespaced=False, short_names=("ns",)),
+    Resource("coordination.k8s.io", "v1", "leases", "Lease", "lease"),
+    Resource("fleetroute.io", "v1alpha1", "routingpolicies", "RoutingPolicy", "routingpolicy", short_names=("rp",)),
 )
+STATUS_SUBRESOURCE = {"routingpolicies"}  # PUT/PATCH .../status changes only status; the object's own, all else
 
 
 @dataclass(eq=False)  # each request is itself: `requests.index(r)` finds that one, not an equal earlier one
@@ -93,6 +102,7 @@ class _Watcher:
     selector: Callable[[dict[str, str]], bool]
     bookmarks: bool
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    fields: Callable[[dict[str, Any]], bool] = lambda obj: True  # its fieldSelector
 
 
 _CLOSE, _ABORT = object(), object()
@@ -174,6 +184,7 @@ class FakeKube:
         self._runner: web.AppRunner | None = None
         self._request_seen = asyncio.Event()
         self._batch: list[tuple[_Watcher, dict[str, Any]]] | None = None
+        self.crds: dict[str, Any] = {}  # plural -> its CRD version (schema, printer columns): see fake_crd.py
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
@@ -221,6 +232,8 @@ class FakeKube:
     def create(self, plural: str, obj: dict[str, Any], *, namespace: str = "default") -> dict[str, Any]:
         res = self.resource(plural)
         obj = copy.deepcopy(obj)
+        if plural in self.crds:  # the schema's defaults, as on every write
+            self.crds[plural].default(obj)
         meta = obj.setdefault("metadata", {})
         ns = meta.get("namespace", namespace) if res.namespaced else ""
         key = (plural, ns, meta["name"])
@@ -238,6 +251,8 @@ class FakeKube:
     def update(self, plural: str, obj: dict[str, Any], *, namespace: str = "default") -> dict[str, Any]:
         res = self.resource(plural)
         obj = copy.deepcopy(obj)
+        if plural in self.crds:
+            self.crds[plural].default(obj)
         meta = obj["metadata"]
         ns = meta.get("namespace", namespace) if res.namespaced else ""
         key = (plural, ns, meta["name"])
@@ -339,6 +354,8 @@ class FakeKube:
             meta = obj["metadata"]
             if w.namespace is not None and meta.get("namespace") != w.namespace:
                 return False
+            if not w.fields(obj):
+                return False
             return w.selector(meta.get("labels") or {})
 
         before, after = matches(change.old), matches(change.new)
@@ -390,18 +407,22 @@ class FakeKube:
             namespace, rest = rest[1], rest[2:]
         res = next((r for r in RESOURCES if (r.group, r.version, r.plural) == (group, version, rest[0])), None) \
             if rest else None
-        if res is None or len(rest) > 2 or (namespace is not None and not res.namespaced):
+        status = len(rest) == 3 and rest[2] == "status" and res is not None and res.plural in STATUS_SUBRESOURCE
+        if res is None or (len(rest) > 2 and not status) or (namespace is not None and not res.namespaced):
             return self._status(404, "NotFound", "the server could not find the requested resource")
-        name = rest[1] if len(rest) == 2 else None
+        name = rest[1] if len(rest) >= 2 else None
         try:
             if name is None and request.method == "GET":
                 if request.query.get("watch") in TRUE:
                     return await self._watch(request, res, namespace)
+                if "as=Table" in request.headers.get("Accept", "") and res.plural in self.crds:
+                    return web.json_response(self.crds[res.plural].table(
+                        self._matching(res, namespace, request.query.get("labelSelector"), None), self.rv))
                 return self._list(request, res, namespace)
             if name is None and request.method == "POST":
                 return await self._create(request, res, namespace)
             if name is not None:
-                return await self._item(request, res, namespace or "", name)
+                return await self._item(request, res, namespace or "", name, status=status)
         except ValueError as exc:
             return self._status(400, "BadRequest", str(exc))
         return self._status(405, "MethodNotAllowed", f"the server does not allow this method on {res.plural}")
@@ -427,13 +448,21 @@ class FakeKube:
 
     async def _watch(self, request: web.Request, res: Resource, namespace: str | None) -> web.StreamResponse:
         query = request.query
+        crd = self.crds.get(res.plural) if "as=Table" in request.headers.get("Accept", "") else None
+
+        def wrap(event: dict[str, Any]) -> dict[str, Any]:  # kubectl get -w: each object as a one-row Table
+            if crd is None or event["type"] in ("ERROR", "BOOKMARK"):
+                return event
+            return {"type": event["type"], "object": crd.table([event["object"]], None)}
+
         watcher = _Watcher(res, namespace, parse_selector(query.get("labelSelector")),
-                           query.get("allowWatchBookmarks") in TRUE)
+                           query.get("allowWatchBookmarks") in TRUE, fields=_field_selector(query.get("fieldSelector")))
         since = query.get("resourceVersion")
         initial: list[dict[str, Any]] = []
         if since in (None, "", "0"):  # "start at most recent": the current state as ADDED events
             initial = [{"type": "ADDED", "object": obj}
-                       for obj in self._matching(res, namespace, query.get("labelSelector"), None)]
+                       for obj in self._matching(res, namespace, query.get("labelSelector"),
+                                                 query.get("fieldSelector"))]
         elif int(since) < self.compacted:
             if self.expired_as_http:
                 return self._status(410, "Expired", self._too_old(int(since)))
@@ -448,7 +477,7 @@ class FakeKube:
         try:
             await response.prepare(request)
             if initial:
-                await response.write(b"".join(_line(e) for e in initial))
+                await response.write(b"".join(_line(wrap(e)) for e in initial))
             async with asyncio.timeout(timeout):
                 while True:
                     item = await watcher.queue.get()
@@ -459,7 +488,7 @@ class FakeKube:
                         request.transport.abort()
                         return response
                     events = item if isinstance(item, list) else [item]
-                    await response.write(b"".join(_line(e) for e in events))
+                    await response.write(b"".join(_line(wrap(e)) for e in events))
         except TimeoutError:
             pass  # timeoutSeconds: the watch ends normally
         except ConnectionResetError:  # the client went away
@@ -476,15 +505,21 @@ class FakeKube:
             return self._status(422, "Invalid", f"{res.kind} is invalid: metadata.name: Required value")
         if (res.plural, namespace or "", name) in self.objects:
             return self._status(409, "AlreadyExists", f'{res.plural} "{name}" already exists')
+        body.pop("status", None)  # with a status subresource, create ignores status
+        if (invalid := self._admit(res, body)) is not None:
+            return invalid
         return web.json_response(self.create(res.plural, body, namespace=namespace or ""), status=201)
 
-    async def _item(self, request: web.Request, res: Resource, namespace: str, name: str) -> web.Response:
+    async def _item(self, request: web.Request, res: Resource, namespace: str, name: str, *,
+                    status: bool = False) -> web.Response:
         current = self.objects.get((res.plural, namespace, name))
         if current is None:
             return self._status(404, "NotFound", f'{res.plural} "{name}" not found')
         if request.method == "GET":
+            if "as=Table" in request.headers.get("Accept", "") and res.plural in self.crds:
+                return web.json_response(self.crds[res.plural].table([current], self.rv))
             return web.json_response(current)
-        if request.method == "DELETE":
+        if request.method == "DELETE" and not status:
             return web.json_response(self.delete(res.plural, name, namespace=namespace))
         if request.method == "PUT":
             body = await request.json()
@@ -492,12 +527,33 @@ class FakeKube:
             if wanted and wanted != current["metadata"]["resourceVersion"]:
                 return self._status(409, "Conflict", f'Operation cannot be fulfilled on {res.plural} "{name}": '
                                     "the object has been modified; please apply your changes to the latest version")
-            return web.json_response(self.update(res.plural, body, namespace=namespace))
-        if request.method == "PATCH":
+        elif request.method == "PATCH":
             if request.content_type != "application/merge-patch+json":
                 return self._status(415, "UnsupportedMediaType", f"{request.content_type} is not supported")
-            merged = _merge_patch(copy.deepcopy(current), await request.json())
-            return web.json_response(self.update(res.plural, merged, namespace=namespace))
+            body = _merge_patch(copy.deepcopy(current), await request.json())
+        else:
+            return self._status(405, "MethodNotAllowed", f"the server does not allow this method on {res.plural}")
+        if res.plural in STATUS_SUBRESOURCE:  # the main resource ignores status; /status ignores all else
+            if status:
+                body = {**copy.deepcopy(current), "status": body.get("status")}
+            elif "status" in current:
+                body["status"] = copy.deepcopy(current["status"])
+            else:
+                body.pop("status", None)
+        if (invalid := self._admit(res, body)) is not None:
+            return invalid
+        return web.json_response(self.update(res.plural, body, namespace=namespace))
+
+    def _admit(self, res: Resource, obj: dict[str, Any]) -> web.Response | None:
+        """Defaults, then schema and CEL validation of a custom resource, as the API server does (422)."""
+        crd = self.crds.get(res.plural)
+        if crd is None:
+            return None
+        errors = crd.admit(obj)
+        if not errors:
+            return None
+        name = obj.get("metadata", {}).get("name", "")
+        return self._status(422, "Invalid", f'{res.kind}.{res.group} "{name}" is invalid: ' + ", ".join(errors))
         return self._status(405, "MethodNotAllowed", f"the server does not allow this method on {res.plural}")
 
     # ---- bodies --------------------------------------------------------------------------------------

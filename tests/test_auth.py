@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import io
 import logging
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import orjson
 import pytest
 
 from router import auth
+from router.access_log import AccessLog
 from router.logs import JsonFormatter
 from router.settings import ConfigError, parse_settings
 from tests.conftest import MODEL
@@ -291,6 +293,7 @@ async def test_no_secret_ever_reaches_a_log_line(
     caplog.set_level(logging.DEBUG)  # everything, from every logger (aiohttp's included)
     engine = await make_engine("gpu-0")
     router = await make_router([engine], auth={"apiKeysFile": str(keys_file), "upstreamApiKeyEnv": "ENGINE_KEY"})
+    router.ctx.access_log = AccessLog(access_stream := io.BytesIO())
     url = router.ingress_url + "/v1/chat/completions"
     async with http.post(url, json=CHAT, headers=_bearer(KEY_A)) as resp:
         assert resp.status == 200
@@ -309,8 +312,10 @@ async def test_no_secret_ever_reaches_a_log_line(
     assert (await _raw(router.ingress_url, _post("/v1/chat/completions", huge, body)))[0] == 400
     nul = b"Authorization: Bearer " + KEY_B.encode() + b"\x00\r\n"
     assert (await _raw(router.ingress_url, _post("/v1/chat/completions", nul, body)))[0] == 400
-    lines = [JsonFormatter().format(r) for r in caplog.records]
-    access = [orjson.loads(line) for line in lines if '"logger":"fleetroute.access"' in line]
+    router.ctx.access_log.flush()
+    access_lines = access_stream.getvalue().decode().splitlines()
+    lines = [JsonFormatter().format(r) for r in caplog.records] + access_lines
+    access = [orjson.loads(line) for line in access_lines]
     assert len(access) == 3 and {a["status"] for a in access} == {200, 400}  # the 401 stops before the handler
     malformed = [orjson.loads(line) for line in lines if "malformed HTTP request rejected" in line]
     assert len(malformed) == 2 and {m["status"] for m in malformed} == {400}

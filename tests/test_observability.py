@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 
 import pytest
 
+from router.access_log import AccessLog
 from router.logs import JsonFormatter
 from tests.conftest import MODEL
 
@@ -40,15 +42,18 @@ async def test_metrics_cover_requests_latency_decisions_and_rejections(make_engi
         assert line in text, line
 
 
-async def test_access_log_is_one_structured_record_per_request(make_engine, make_router, http, caplog) -> None:
+async def test_access_log_is_one_structured_record_per_request(make_engine, make_router, http) -> None:
     engine = await make_engine("gpu-0")
     router = await make_router([engine])
-    with caplog.at_level(logging.INFO, logger="fleetroute.access"):
-        async with http.post(router.ingress_url + "/v1/chat/completions", json={**CHAT, "stream": True},
-                             headers={"X-Request-Id": "req-1"}) as resp:
-            await resp.read()
-    (record,) = [r for r in caplog.records if r.name == "fleetroute.access"]
-    entry = json.loads(JsonFormatter().format(record))
+    router.ctx.access_log = AccessLog(stream := io.BytesIO())
+    async with http.post(router.ingress_url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                         headers={"X-Request-Id": "req-1"}) as resp:
+        await resp.read()
+    assert stream.getvalue() == b""  # batched: written on the next flush, not per request
+    router.ctx.access_log.flush()
+    (line,) = stream.getvalue().splitlines()
+    entry = json.loads(line)
+    assert entry["logger"] == "fleetroute.access" and entry["ts"].endswith("Z")
     assert entry["request_id"] == "req-1" and entry["model"] == MODEL and entry["endpoint"] == "gpu-0"
     assert entry["status"] == 200 and entry["attempts"] == 1 and entry["path"] == "/v1/chat/completions"
     assert 0 < entry["ttfb_ms"] <= entry["duration_ms"]
