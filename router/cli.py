@@ -21,10 +21,13 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
   policies:                                    first policy whose models match a request's model wins;
     - name: chat                               others use the built-in "default" (adaptive, all defaults)
       models: ["*"]                            names or shell-style patterns
-      strategy: adaptive                       round-robin | least-connections | consistent-hash | adaptive
+      strategy: adaptive                       round-robin | least-connections | consistent-hash |
+                                               adaptive | prefix-aware
       adaptive: {weights: {gpu: 0.6, memory: 0.3, queue: 0.1}, maxQueue: 32, choices: 2,
                  signals: {gpu: gpu_util, memory: kv_cache_usage, queue: num_waiting}}
       consistentHash: {key: "header:x-session-id", maxLoadFactor: null}   or key: body:<field>
+      prefixAware: {blockChars: 256, maxBlocks: 64, maxBlocksPerEndpoint: 32768, maxImbalance: 8,
+                    maxInFlight: null}
       timeouts: {connect: 5s, firstByte: 300s, idle: 60s, total: null}
       retries: {attempts: 2, budgetPercent: 20, minRetriesPerSecond: 10}
                                                only before any byte reached the client: connect failures,

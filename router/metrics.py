@@ -63,7 +63,9 @@ class RouterMetrics:
             "fleetroute_policy_events",
             "Noteworthy policy decisions: hash_key_missing (consistent-hash fell back to least-connections), "
             "telemetry_unknown (adaptive picked an endpoint without fresh telemetry), load_bound_overflow "
-            "(a key walked the ring past an endpoint at its load bound).",
+            "(a key walked the ring past an endpoint at its load bound), prefix_hit / prefix_miss (prefix-aware "
+            "found / found no endpoint holding the prompt's leading blocks), load_guard (prefix-aware left the "
+            "best prefix match because it was too loaded).",
             ["policy", "event"],
             registry=r,
         )

@@ -118,8 +118,8 @@ def test_parse_rejects_bad_parameters_naming_the_field(strategy: str, params: di
     assert message in str(info.value)
 
 
-def test_registry_has_the_four_strategies() -> None:
-    assert REGISTRY.names() == ["adaptive", "consistent-hash", "least-connections", "round-robin"]
+def test_registry_has_the_builtin_strategies() -> None:
+    assert REGISTRY.names() == ["adaptive", "consistent-hash", "least-connections", "prefix-aware", "round-robin"]
 
 
 # ---- round-robin -------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def test_empty_file_gives_defaults() -> None:
         ("endpoints[0].id", "gpu 0", "endpoints[0].id: must be letters, digits"),
         ("endpoints[0].models", [], "endpoints[0].models: must be a non-empty list of model names"),
         ("endpoints[0].weight", 3, "endpoints[0].weight: unknown field (expected one of: id, models, url)"),
-        ("policies[0].strategy", "random", "policies[0].strategy: must be one of adaptive, consistent-hash, least-connections, round-robin; got 'random'"),
+        ("policies[0].strategy", "random", "policies[0].strategy: must be one of adaptive, consistent-hash, least-connections, prefix-aware, round-robin; got 'random'"),
         ("policies[0].name", "Default Policy", "policies[0].name: must be a lower-case DNS label"),
         ("policies[0].adaptive.weights.gpu", "high", "policies[0].adaptive.weights.gpu: must be a number, got 'high'"),
         ("policies[0].adaptive.maxQueue", -1, "policies[0].adaptive.maxQueue: must be >= 1, got -1"),

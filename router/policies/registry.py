@@ -8,6 +8,7 @@ from router.policies.adaptive import AdaptivePolicy
 from router.policies.base import Policy
 from router.policies.consistent_hash import ConsistentHashPolicy
 from router.policies.least_connections import LeastConnectionsPolicy
+from router.policies.prefix_aware import PrefixAwarePolicy
 from router.policies.round_robin import RoundRobinPolicy
 
 BUILTIN: tuple[Policy, ...] = (
@@ -15,6 +16,7 @@ BUILTIN: tuple[Policy, ...] = (
     LeastConnectionsPolicy(),
     ConsistentHashPolicy(),
     AdaptivePolicy(),
+    PrefixAwarePolicy(),
 )
 
 
