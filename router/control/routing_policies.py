@@ -29,7 +29,6 @@ import asyncio
 import datetime
 import json
 import logging
-import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -43,7 +42,7 @@ from prometheus_client import Counter, Gauge
 from router.app import sync_health_checks, sync_sticky_tables
 from router.context import RouterContext
 from router.control import KubernetesControlSettings
-from router.discovery.kubernetes import IN_CLUSTER_NAMESPACE, _describe, _read_text, _status_message
+from router.discovery.kubernetes import _describe, _status_message, configure_client
 from router.settings import ConfigError, PolicySpec, Settings, _policy
 
 log = logging.getLogger("fleetroute.control")
@@ -163,23 +162,11 @@ class RoutingPolicyController:
 
     async def _load_config(self, configuration: client.Configuration) -> Any:
         s = self.settings
-        try:
-            if s.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-                config.load_incluster_config(client_configuration=configuration)
-                if s.namespace is None:
-                    self.namespace = _read_text(IN_CLUSTER_NAMESPACE) or "default"
-                return None
-            path = os.path.expanduser(s.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config")
-            loader = await config.load_kube_config(config_file=path, context=s.context,
-                                                   client_configuration=configuration, persist_config=False)
-            if s.namespace is None:
-                contexts, current = config.list_kube_config_contexts(path)
-                chosen = next((c for c in contexts if c.get("name") == s.context), current) if s.context else current
-                self.namespace = ((chosen or {}).get("context") or {}).get("namespace") or "default"
-            return loader
-        except (config.ConfigException, OSError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigError("control.kubernetes.kubeconfig", f"cannot configure the Kubernetes client: {exc}") \
-                from None
+        loader, namespace = await configure_client(configuration, kubeconfig=s.kubeconfig, context=s.context,
+                                                   where="control.kubernetes.kubeconfig")
+        if s.namespace is None:
+            self.namespace = namespace
+        return loader
 
     # ---- merge and apply ----------------------------------------------------------------------------
 

@@ -266,24 +266,11 @@ class KubernetesDiscovery:
 
     async def _load_config(self, configuration: client.Configuration) -> Any:
         s = self.settings
-        where = "discovery.kubernetes.kubeconfig"
-        try:
-            if s.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-                config.load_incluster_config(client_configuration=configuration)
-                if s.namespace is None:
-                    self.namespace = _read_text(IN_CLUSTER_NAMESPACE) or "default"
-                return None
-            path = os.path.expanduser(s.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config")
-            loader = await config.load_kube_config(config_file=path, context=s.context,
-                                                   client_configuration=configuration, persist_config=False)
-            if s.namespace is None:
-                contexts, current = config.list_kube_config_contexts(path)
-                chosen = next((c for c in contexts if c.get("name") == s.context), current) if s.context else current
-                self.namespace = ((chosen or {}).get("context") or {}).get("namespace") or "default"
-            return loader
-        except (config.ConfigException, OSError, ValueError, KeyError, TypeError) as exc:
-            # Not an outage: without a usable configuration there is nothing to retry.
-            raise ConfigError(where, f"cannot configure the Kubernetes client: {exc}") from None
+        loader, namespace = await configure_client(configuration, kubeconfig=s.kubeconfig, context=s.context,
+                                                   where="discovery.kubernetes.kubeconfig")
+        if s.namespace is None:
+            self.namespace = namespace
+        return loader
 
     # ---- list and watch (the reflector) -------------------------------------------------------------
 
@@ -553,6 +540,25 @@ class KubernetesDiscovery:
             if isinstance(exc, ApiException) and exc.status == 403 else ""
         self._warn_once("pod", entry.pod_key or entry.id, f"cannot read the Pod for its models annotation{hint}; "
                         "it is left out and retried", pod=entry.pod, error=_describe(exc))
+
+
+async def configure_client(configuration: client.Configuration, *, kubeconfig: str | None, context: str | None,
+                           where: str) -> tuple[Any, str]:
+    """Configure the client in-cluster (service account) or from a kubeconfig. Returns the kubeconfig loader
+    (None in-cluster) and the namespace the credentials point at. Raises ConfigError naming `where`: without
+    a usable configuration there is nothing to retry, so it is not treated as an outage."""
+    try:
+        if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config(client_configuration=configuration)
+            return None, _read_text(IN_CLUSTER_NAMESPACE) or "default"
+        path = os.path.expanduser(kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config")
+        loader = await config.load_kube_config(config_file=path, context=context,
+                                               client_configuration=configuration, persist_config=False)
+        contexts, current = config.list_kube_config_contexts(path)
+        chosen = next((c for c in contexts if c.get("name") == context), current) if context else current
+        return loader, ((chosen or {}).get("context") or {}).get("namespace") or "default"
+    except (config.ConfigException, OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(where, f"cannot configure the Kubernetes client: {exc}") from None
 
 
 def _read_text(path: str) -> str | None:
