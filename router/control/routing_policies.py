@@ -43,6 +43,7 @@ from router.app import sync_health_checks, sync_sticky_tables
 from router.context import RouterContext
 from router.control import KubernetesControlSettings
 from router.discovery.kubernetes import _describe, _status_message, configure_client
+from router.progress import Progress
 from router.settings import ConfigError, PolicySpec, Settings, _policy
 
 log = logging.getLogger("fleetroute.control")
@@ -106,7 +107,7 @@ class RoutingPolicyController:
         self._down_since: float | None = None
         self._lease_seen: tuple[str, float] | None = None  # (the Lease's resourceVersion, when we first saw it)
         self._status_dirty = asyncio.Event()
-        self._progress = asyncio.Event()
+        self._progress = Progress()  # notified whenever something observable changed (see wait_for)
         self._api: client.ApiClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         r = ctx.metrics.registry
@@ -150,15 +151,10 @@ class RoutingPolicyController:
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         """Return once `predicate()` holds, re-checking after each event, apply, status write or Lease change."""
-        while True:
-            progress = self._progress
-            if predicate():
-                return
-            await progress.wait()
+        await self._progress.wait_for(predicate)
 
     def _notify(self) -> None:
-        done, self._progress = self._progress, asyncio.Event()
-        done.set()
+        self._progress.notify()
 
     async def _load_config(self, configuration: client.Configuration) -> Any:
         s = self.settings

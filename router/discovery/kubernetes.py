@@ -77,6 +77,7 @@ from kubernetes.aio.client.exceptions import ApiException
 from router.balancer import Balancer
 from router.metrics import RouterMetrics
 from router.model import Endpoint, EndpointState
+from router.progress import Progress
 from router.settings import ConfigError, KubernetesDiscoverySettings
 
 log = logging.getLogger("fleetroute.discovery")
@@ -207,7 +208,7 @@ class KubernetesDiscovery:
         self._listed = False
         self._events_since_list = 0
         self._dirty = asyncio.Event()
-        self._progress = asyncio.Event()  # replaced whenever something observable changed (see wait_for)
+        self._progress = Progress()  # notified whenever something observable changed (see wait_for)
         self.synced = asyncio.Event()  # set by the first publish after the first successful list
         self.up = False
         self._failures = 0  # consecutive failed list/watch attempts (the backoff exponent)
@@ -254,15 +255,10 @@ class KubernetesDiscovery:
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         """Return once `predicate()` holds, re-checking after each watch event, publish or outage change."""
-        while True:
-            progress = self._progress
-            if predicate():
-                return
-            await progress.wait()
+        await self._progress.wait_for(predicate)
 
     def _notify(self) -> None:
-        done, self._progress = self._progress, asyncio.Event()
-        done.set()
+        self._progress.notify()
 
     async def _load_config(self, configuration: client.Configuration) -> Any:
         s = self.settings
