@@ -3,7 +3,8 @@
 It answers every POST to /v1/* at once: a fixed chat completion (JSON, Content-Length), or, when the body
 says `"stream": true`, an SSE stream of `--chunks` `data:` events (chunked transfer encoding) followed by
 `data: [DONE]`, the first event written at once and the next ones `--token-interval-ms` apart. GET /metrics
-returns a small vLLM-style page (so the router's telemetry scrape works as in production), GET /health 200.
+returns a small vLLM-style page (so the router's telemetry scrape works as in production), GET /health 200,
+GET /v1/models the one model (peer routers' readiness checks ask for it).
 Keep-alive and pipelined requests are supported; there is no JSON validation beyond what the router needs.
 
     python -m loadtest.backend --ports 2      # prints "READY port1,port2" on stdout, runs until SIGTERM
@@ -51,7 +52,11 @@ def _response(status: bytes, content_type: bytes, body: bytes) -> bytes:
 OK_COMPLETION = _response(b"200 OK", b"application/json", COMPLETION)
 OK_METRICS = _response(b"200 OK", b"text/plain; version=0.0.4", METRICS)
 OK_HEALTH = _response(b"200 OK", b"text/plain", b"ok")
+OK_MODELS = _response(b"200 OK", b"application/json", orjson.dumps(
+    {"object": "list", "data": [{"id": "llama-3-8b", "object": "model", "created": 1700000000, "owned_by": "vllm"}]}
+))
 NOT_FOUND = _response(b"404 Not Found", b"text/plain", b"not found")
+BAD_REQUEST = _response(b"400 Bad Request", b"text/plain", b"not an HTTP/1.1 request")
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
@@ -103,7 +108,13 @@ class BackendProtocol(asyncio.Protocol):
                 return
             body = self.buf[end + 4 : end + 4 + length]
             self.buf = self.buf[end + 4 + length :]
-            method, path, _ = head.split(b"\r\n", 1)[0].split(b" ", 2)
+            request_line = head.split(b"\r\n", 1)[0].split(b" ", 2)
+            if len(request_line) != 3:  # not HTTP/1.x: sglang-router probes with an HTTP/2 preface first
+                if self.transport is not None:
+                    self.transport.write(BAD_REQUEST)
+                    self.transport.close()
+                return
+            method, path, _ = request_line
             self.pending.append((method, path, body))
             if self.streaming is None:
                 self._drain()
@@ -120,6 +131,8 @@ class BackendProtocol(asyncio.Protocol):
                 self.transport.write(OK_METRICS)
             elif path == b"/health":
                 self.transport.write(OK_HEALTH)
+            elif path == b"/v1/models":
+                self.transport.write(OK_MODELS)
             else:
                 self.transport.write(NOT_FOUND)
 

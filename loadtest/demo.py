@@ -1,11 +1,12 @@
 """`fleetroute demo`: a whole GPU fleet on one machine, and what each routing policy does with it.
 
-1. Starts simulated vLLM replicas (`fleetroute sim`, default 2 x H100 + 2 x A100-80G) as child processes.
-2. Measures the fleet's capacity for the demo workload in virtual time (the same engine model, no waiting)
+1. Measures the fleet's capacity for the demo workload in virtual time (the same engine model, no waiting)
    and offers `--load` (default 80%) of it, so the policies are compared near saturation where they differ.
-3. For each policy, starts a router (`fleetroute router`) in front of the fleet, replays the *same* seeded
-   multi-turn chat workload through it (open loop, streaming), and samples each replica's GPU busy time.
-4. Prints one row per policy: requests/s, P50/P99 time to first token, P99 end-to-end, per-replica
+2. For each policy, starts a fresh fleet of simulated vLLM replicas (`fleetroute sim`, default 2 x H100 +
+   2 x A100-80G; fresh so no policy inherits the caches another warmed) and a router (`fleetroute router`)
+   in front of it, replays the *same* seeded multi-turn chat workload through it (open loop, streaming),
+   and samples each replica's GPU busy time.
+3. Prints one row per policy: requests/s, P50/P99 time to first token, P99 end-to-end, per-replica
    utilisation and its coefficient of variation (spread), then stops every child, also on Ctrl-C.
 
 Times are reported in simulated seconds (wall time / time-scale): what the same fleet on real GPUs would
@@ -16,26 +17,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
-import signal
-import statistics
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, replace
 
 import aiohttp
-import yaml
 
+from loadtest.cli import interruptible
 from loadtest.client import Result, run_open_loop
+from loadtest.fleet import Fleet, busy_fractions, start_router
 from loadtest.processes import ChildFailed, ProcessGroup
-from loadtest.workload import chat_sessions
+from loadtest.progress import Progress
+from loadtest.report import ms_text
+from loadtest.runner import build_plan, modelled_capacity
+from loadtest.scenario import Scenario, parse_scenario
+from loadtest.stats import RunSummary, coefficient_of_variation, summarise
 
-POLICIES = ("round-robin", "least-connections", "consistent-hash", "adaptive")  # the default comparison
-# Also accepted by --policies; left out of the default so the demo stays about a minute.
-CHOICES = (*POLICIES, "prefix-aware")
+# The default comparison, and what --policies accepts: the design's four and prefix affinity with a load guard.
+POLICIES = ("round-robin", "least-connections", "consistent-hash", "adaptive", "prefix-aware")
+CHOICES = POLICIES
 DEFAULT_FLEET = "h100:2,a100-80g:2"
 
 
@@ -65,101 +65,37 @@ def parse_fleet(spec: str) -> tuple[str, ...]:
     return tuple(fleet)
 
 
-def fleet_capacity(fleet: tuple[str, ...], model: str, seed: int) -> float:
-    """Requests per simulated second the fleet sustains on the demo workload, from the engine model run in
-    virtual time on a saturating batch of the workload's own requests."""
-    from worker.sim.engine import EngineConfig, EngineCore, SimRequest
-    from worker.sim.profiles import profile
-    from worker.sim.tokenizer import render_chat, tokenize
-    from worker.sim.virtual import run_virtual
-
-    sample = chat_sessions(model=model, rate=50.0, duration=8.0, seed=seed + 1000)[:300]
-    prompts = [(tokenize(render_chat(p.body["messages"])), p.body["max_tokens"]) for p in sample]
-    per_gpu: dict[str, float] = {}
-    for name in set(fleet):
-        engine = EngineCore(profile(name), EngineConfig(), random.Random(seed))
-        done = run_virtual(engine, [SimRequest(f"r{i}", toks, out, 0.0) for i, (toks, out) in enumerate(prompts)])
-        per_gpu[name] = len(done) / max(r.finished_at for r in done)
-    return sum(per_gpu[name] for name in fleet)
-
-
-class Progress:
-    def __init__(self, total_policies: int) -> None:
-        self.total_policies = total_policies
-        self._last = 0.0
-        self.tty = sys.stderr.isatty()
-
-    def show(self, index: int, policy: str, done: int, total: int, started: float, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < 0.2:
-            return
-        self._last = now
-        width = 24
-        filled = int(width * done / max(total, 1))
-        line = (f"[{index}/{self.total_policies}] {policy:<18} |{'#' * filled}{'.' * (width - filled)}| "
-                f"{done}/{total} requests  {now - started:5.1f}s")
-        if self.tty:
-            print("\r" + line, end="", file=sys.stderr, flush=True)
-        elif force:
-            print(line, file=sys.stderr, flush=True)
-
-    def finish(self) -> None:
-        if self.tty:
-            print(file=sys.stderr)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+def demo_scenario(opts: DemoOptions) -> Scenario:
+    """The demo as a load-test scenario: its fleet (embedded telemetry: no Redis) and its chat workload."""
+    groups: dict[str, int] = {}
+    for gpu in opts.fleet:
+        groups[gpu] = groups.get(gpu, 0) + 1
+    return parse_scenario({
+        "name": "demo", "seed": opts.seed,
+        "fleet": {"model": opts.model, "replicas": [{"gpu": g, "count": n} for g, n in groups.items()],
+                  "timeScale": opts.time_scale, "telemetry": "embedded", "telemetryInterval": 0.25 / opts.time_scale},
+        "workload": {"kind": "sessions"},
+        "load": {"capacityFractions": [opts.load], "duration": opts.duration / opts.time_scale},
+        "policies": list(opts.policies),
+    })
 
 
 @dataclass
 class PolicyReport:
     policy: str
-    requests: int
-    ok: int
-    errors: dict[str, int]
-    rps: float
-    ttft_p50: float | None
-    ttft_p99: float | None
-    e2e_p99: float | None
+    summary: RunSummary
     utilisation: dict[str, float]
-    served: dict[str, int]
 
     @property
     def utilisation_cv(self) -> float:
-        values = list(self.utilisation.values())
-        mean = statistics.fmean(values) if values else 0.0
-        return statistics.pstdev(values) / mean if mean > 0 else 0.0
-
-
-def summarise(policy: str, results: list[Result], wall: float, scale: float,
-              utilisation: dict[str, float]) -> PolicyReport:
-    ok = [r for r in results if r.ok]
-    errors: dict[str, int] = {}
-    for r in results:
-        if r.error:
-            errors[r.error] = errors.get(r.error, 0) + 1
-    served: dict[str, int] = {}
-    for r in ok:
-        served[r.endpoint] = served.get(r.endpoint, 0) + 1
-    ttft = [r.ttft / scale for r in ok if r.ttft is not None]
-    e2e = [r.e2e / scale for r in ok if r.e2e is not None]
-    return PolicyReport(policy, len(results), len(ok), errors, len(ok) / (wall / scale) if wall else 0.0,
-                        percentile(ttft, 50), percentile(ttft, 99), percentile(e2e, 99), utilisation, served)
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:,.0f} ms"
+        return coefficient_of_variation(self.utilisation)
 
 
 def render(reports: list[PolicyReport], replicas: list[str], capacity: float, rate: float, opts: DemoOptions) -> str:
     lines = [
         "",
         f"fleet: {', '.join(replicas)}",
-        f"workload: multi-turn chat, {rate * opts.time_scale:.1f} req/s offered "
+        f"workload: multi-turn chat, {rate:.1f} req/s offered "
         f"({opts.load:.0%} of the modelled capacity {capacity:.1f} req/s), same seeded requests for every policy",
         f"times in simulated seconds (wall / time-scale {opts.time_scale:g})",
         "",
@@ -168,91 +104,56 @@ def render(reports: list[PolicyReport], replicas: list[str], capacity: float, ra
              f"{'util CV':>8}  per-replica utilisation"
     lines += [header, "-" * len(header)]
     for r in reports:
+        s = r.summary
         util = "  ".join(f"{rid}={u:.0%}" for rid, u in r.utilisation.items())
-        lines.append(f"{r.policy:<18} {r.rps:>7.1f} {_ms(r.ttft_p50):>10} {_ms(r.ttft_p99):>10} {_ms(r.e2e_p99):>10} "
-                     f"{r.requests - r.ok:>7} {r.utilisation_cv:>8.2f}  {util}")
+        lines.append(f"{r.policy:<18} {s.throughput_rps:>7.1f} {ms_text(s.ttft['p50']):>10} "
+                     f"{ms_text(s.ttft['p99']):>10} "
+                     f"{ms_text(s.e2e['p99']):>10} {s.sent - s.ok:>7} {r.utilisation_cv:>8.2f}  {util}")
     lines.append("")
     lines.append("util CV = coefficient of variation of replica utilisation (lower = better balanced).")
     return "\n".join(lines)
 
 
-async def _gpu_busy(session: aiohttp.ClientSession, urls: dict[str, str]) -> dict[str, tuple[float, float]]:
-    out = {}
-    for rid, url in urls.items():
-        async with session.get(url + "/sim/gpu") as resp:
-            sample = await resp.json()
-        out[rid] = (sample["busy_seconds_total"], sample["sim_time"])
-    return out
-
-
-def router_config(replicas: dict[str, str], model: str, strategy: str) -> dict[str, Any]:
-    return {
-        "listen": {"host": "127.0.0.1", "port": 0},
-        "admin": {"host": "127.0.0.1", "port": 0},
-        "endpoints": [{"id": rid, "url": url, "models": [model]} for rid, url in replicas.items()],
-        "policies": [{"name": "demo", "models": ["*"], "strategy": strategy}],
-        "telemetry": {"interval": "250ms", "staleAfter": "3s", "gpuSource": "sim"},
-        "redis": {"url": None},  # embedded telemetry: the demo needs no Redis
-        "logging": {"level": "info", "accessLog": False},
-        "shutdownGrace": "5s",
-    }
-
-
 async def run_demo(opts: DemoOptions) -> list[PolicyReport]:
-    group = ProcessGroup()
+    scenario = demo_scenario(opts)
+    capacity = modelled_capacity(scenario)
+    rate = opts.load * capacity
+    plan = [replace(p, at=p.at * opts.time_scale) for p in build_plan(scenario, rate)]
+    progress = Progress(len(opts.policies))
     reports: list[PolicyReport] = []
-    try:
-        replicas: dict[str, str] = {}
-        counts: dict[str, int] = {}
-        print(f"starting {len(opts.fleet)} simulated replicas ...", file=sys.stderr, flush=True)
-        starts = []
-        for i, gpu in enumerate(opts.fleet):
-            counts[gpu] = counts.get(gpu, 0) + 1
-            rid = f"{gpu}-{counts[gpu] - 1}"
-            args = ["sim", "--port", "0", "--gpu", gpu, "--model", opts.model, "--seed", str(opts.seed + i),
-                    "--time-scale", str(opts.time_scale)]
-            starts.append((rid, group.start(rid, args, "sim listening")))
-        for rid, start in starts:
-            replicas[rid] = (await start).ready["url"]
-        pids = " ".join(str(c.process.pid) for c in group.children)
-        print(f"fleet ready: {', '.join(replicas)} (pids {pids})", file=sys.stderr, flush=True)
-        capacity = fleet_capacity(opts.fleet, opts.model, opts.seed)
-        rate = opts.load * capacity / opts.time_scale  # wall-clock requests per second
-        plan = chat_sessions(model=opts.model, rate=rate, duration=opts.duration, seed=opts.seed)
-        progress = Progress(len(opts.policies))
-        with tempfile.TemporaryDirectory(prefix="fleetroute-demo-") as tmp:
+    replicas: list[str] = []
+    for index, entry in enumerate(scenario.policies, 1):
+        # A fresh fleet per policy: no policy inherits the KV and prefix caches another one warmed.
+        group = ProcessGroup()
+        fleet = Fleet(scenario.fleet, group, seed=opts.seed)
+        try:
+            print(f"starting {len(opts.fleet)} simulated replicas for {entry.label} ...", file=sys.stderr, flush=True)
+            await fleet.start()
+            replicas = list(fleet.urls)
+            pids = " ".join(str(c.process.pid) for c in fleet.children)
+            print(f"fleet ready: {', '.join(fleet.urls)} (pids {pids})", file=sys.stderr, flush=True)
+            _, ingress, _ = await start_router(fleet, entry.config)
             async with aiohttp.ClientSession() as session:
-                for index, strategy in enumerate(opts.policies, 1):
-                    path = Path(tmp) / f"router-{strategy}.yaml"
-                    path.write_text(yaml.safe_dump(router_config(replicas, opts.model, strategy)))
-                    router = await group.start(f"router-{strategy}", ["router", "--config", str(path)],
-                                               "router listening")
-                    before = await _gpu_busy(session, replicas)
-                    started = time.monotonic()
-                    done = 0
+                before = await fleet.gpu_busy(session)
+                started = time.monotonic()
+                done = 0
 
-                    def on_done(_r: Result, index: int = index, strategy: str = strategy,
-                                started: float = started) -> None:
-                        nonlocal done
-                        done += 1
-                        progress.show(index, strategy, done, len(plan), started)
+                def on_done(_r: Result, index: int = index, label: str = entry.label, started: float = started) -> None:
+                    nonlocal done
+                    done += 1
+                    progress.show(index, label, done, len(plan), started)
 
-                    results = await run_open_loop(router.ready["ingress"], plan, timeout=60 * opts.time_scale,
-                                                  on_done=on_done)
-                    wall = time.monotonic() - started
-                    progress.show(index, strategy, done, len(plan), started, force=True)
-                    after = await _gpu_busy(session, replicas)
-                    await group.stop(router)
-                    utilisation = {
-                        rid: (after[rid][0] - before[rid][0]) / max(after[rid][1] - before[rid][1], 1e-9)
-                        for rid in replicas
-                    }
-                    reports.append(summarise(strategy, results, wall, opts.time_scale, utilisation))
-        progress.finish()
-        print(render(reports, list(replicas), capacity, rate, opts))
-        return reports
-    finally:
-        await group.stop_all()
+                results = await run_open_loop(ingress, plan, timeout=60 * opts.time_scale, on_done=on_done)
+                progress.show(index, entry.label, done, len(plan), started, force=True)
+                after = await fleet.gpu_busy(session)
+            utilisation = busy_fractions(before, after)
+            summary = summarise(results, offered_rate=rate, slo=scenario.slo, scale=opts.time_scale)
+            reports.append(PolicyReport(entry.label, summary, utilisation))
+        finally:
+            await group.stop_all()
+    progress.finish()
+    print(render(reports, replicas, capacity, rate, opts))
+    return reports
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -292,22 +193,12 @@ def main(args: argparse.Namespace) -> int:
             return 2
     opts = DemoOptions(fleet=fleet, time_scale=args.time_scale, duration=args.duration, load=args.load,
                        seed=args.seed, policies=policies)
-    return asyncio.run(_interruptible(opts))
+    return asyncio.run(_run(opts))
 
 
-async def _interruptible(opts: DemoOptions) -> int:
-    """Run the demo; SIGINT/SIGTERM cancel it, and its cleanup stops every child before we return."""
-    task = asyncio.current_task()
-    loop = asyncio.get_running_loop()
-    assert task is not None
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, task.cancel)
+async def _run(opts: DemoOptions) -> int:
     try:
-        await run_demo(opts)
-    except asyncio.CancelledError:
-        print("\ninterrupted; every replica and router stopped.", file=sys.stderr)
-        return 130
+        return 0 if await interruptible(run_demo(opts)) is not None else 130
     except (ChildFailed, aiohttp.ClientError) as exc:
         print(f"\nfleetroute demo: error: {exc}", file=sys.stderr)
         return 1
-    return 0

@@ -2,6 +2,7 @@
 
     python -m loadtest.router_overhead            # full run, about 2.5 minutes
     python -m loadtest.router_overhead --quick    # one short run of everything, a smoke test
+    python -m loadtest.router_overhead --quick --no-variants --peers nginx:least_conn,vllm-router:round_robin
 
 What it measures (docs/benchmarks.md has the method and the latest numbers):
 
@@ -11,7 +12,11 @@ What it measures (docs/benchmarks.md has the method and the latest numbers):
 4. router CPU time per request (utime+stime from /proc of the router and its child processes, read around
    each throughput run, divided by the requests completed);
 5. `workers: 2` vs `workers: 1` throughput, with the router on one core and on both;
-6. the router on uvloop (the default) vs plain asyncio, and with the access log off.
+6. the router on uvloop (the default) vs plain asyncio, and with the access log off;
+7. with `--peers vllm-router:round_robin,sglang-router:round_robin,litellm:simple-shuffle,nginx:least_conn`,
+   each peer router measured the same way in the same runs (1-4: throughput, its CPU per request, added
+   latency and TTFT), pinned to the router's core with one worker (loadtest/peers/README.md says how each
+   is held to one core), its version and exact command line recorded in the JSON.
 
 Processes: the fake backend (`loadtest.backend`, two ports = two endpoints) and the load generators are
 pinned to one core, the router to another (`taskset`), when the machine has two or more. Everything
@@ -33,19 +38,30 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from loadtest.host import CLK_TCK, busy_seconds, cpu_seconds, descendants, free_port, pgid  # noqa: F401
+from loadtest.peers import (
+    PeerError,
+    PeerSpec,
+    parse_peer_specs,
+    peer_version,
+    plan_peer,
+    unavailable_reason,
+    write_plan_files,
+)
+from loadtest.peers.base import LaunchPlan, cpu_count_of, wait_ready_blocking
 
 MODEL = "llama-3-8b"
 PATH = "/v1/chat/completions"
@@ -57,7 +73,6 @@ STREAM_BODY = json.dumps(
 ).encode()
 HEADERS = {"Content-Type": "application/json"}
 ROOT = Path(__file__).resolve().parent.parent
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 WRK_LUA = """
 wrk.method = "POST"
@@ -88,10 +103,6 @@ ASYNCIO_ROUTER = (
 # ---- processes ---------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pinned(cmd: list[str], cpus: str | None) -> list[str]:
@@ -122,51 +133,17 @@ class Proc:
                 self.popen.kill()
                 self.popen.wait(timeout=5)
         for pid in family[1:]:
-            if _pgid(pid) == self.pid:  # still one of ours (each child leads its own group)
+            if pgid(pid) == self.pid:  # still one of ours (each child leads its own group)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 
 
-def _pgid(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
-def descendants(pid: int) -> list[int]:
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    out, frontier = [pid], [pid]
-    while frontier:
-        frontier = [child for child, ppid in parent.items() if ppid in frontier]
-        out.extend(frontier)
-    return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime+stime of `pid` and every live descendant (router workers), in seconds."""
-    total = 0
-    for p in descendants(pid):
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / CLK_TCK
 
 
-def busy_seconds() -> float:
-    """CPU time spent by everything on the machine (user+nice+system+irq+softirq, all cores), in seconds."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
-    return (user + nice + system + irq + softirq) / CLK_TCK
 
 
 class Meter:
@@ -300,6 +277,64 @@ def start_router(cfg: RouterConfig, backend_ports: list[int], workdir: Path) -> 
         raise
 
 
+@dataclass
+class Peer:
+    """A peer router (loadtest/peers) run from its launch plan as a blocking child, like `Router`."""
+
+    spec: PeerSpec
+    proc: Proc
+    plan: LaunchPlan
+    version: str
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return self.plan.url
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self.plan.client_headers
+
+    def describe(self, cpus: str | None) -> dict[str, Any]:
+        return {"version": self.version, "argv": list(self.plan.argv), "env": dict(self.plan.env),
+                "config_files": dict(self.plan.files), "cpus": cpus, "workers": cpu_count_of(cpus) or "default"}
+
+
+def start_peer_proc(spec: PeerSpec, backend_ports: list[int], workdir: Path, cpus: str | None,
+                    timeout: float = 90.0) -> Peer:
+    """The same plan `loadtest.peers.start_peer` runs (argv, environment, configuration files, readiness
+    probe), here as a `Proc` so the benchmark's blocking loop owns it like the routers."""
+    home = workdir / f"peer-{spec.peer}-{spec.policy}"
+    home.mkdir()
+    backends = [(f"gpu-{i}", f"http://127.0.0.1:{p}") for i, p in enumerate(backend_ports)]
+    plan = plan_peer(spec.peer, spec.policy, backends, MODEL, port=free_port(), workdir=home, cpu=cpus)
+    write_plan_files(plan, home)
+    log = home / "peer.log"
+    with log.open("wb") as out:
+        popen = subprocess.Popen(plan.argv, stdout=out, stderr=subprocess.STDOUT, cwd=home,
+                                 env={**os.environ, **plan.env}, start_new_session=True)
+    proc = Proc(f"peer-{spec}", popen)
+    try:
+        wait_ready_blocking(plan, timeout=timeout, alive=lambda: popen.poll() is None)
+    except BaseException as exc:
+        proc.stop()
+        tail = log.read_text(errors="replace")[-1500:]
+        raise RuntimeError(f"peer {spec} did not start: {exc}; log: {tail}") from None
+    return Peer(spec, proc, plan, peer_version(spec.peer), log)
+
+
+@contextlib.contextmanager
+def peer(spec: PeerSpec, backend_ports: list[int], workdir: Path, cpus: str | None,
+         procs: list[Proc]) -> Iterator[Peer]:
+    p = start_peer_proc(spec, backend_ports, workdir, cpus)
+    procs.append(p.proc)
+    try:
+        yield p
+    finally:
+        p.proc.stop()
+        procs.remove(p.proc)
+
+
 # ---- load generators -------------------------------------------------------------------------------
 
 
@@ -308,9 +343,11 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
-def wrk_run(url: str, seconds: float, connections: int, cpus: str | None, workdir: Path) -> dict[str, Any]:
+def wrk_run(url: str, seconds: float, connections: int, cpus: str | None, workdir: Path,
+            headers: Mapping[str, str] | None = None) -> dict[str, Any]:
     script = workdir / "post.lua"
-    script.write_text(WRK_LUA % BODY.decode())
+    extra = "".join(f'wrk.headers["{k}"] = "{v}"\n' for k, v in (headers or {}).items())
+    script.write_text(extra + WRK_LUA % BODY.decode())
     cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--timeout", "5s", "-s", str(script), url + PATH]
     out = subprocess.run(pinned(cmd, cpus), capture_output=True, timeout=seconds + 30, check=True).stdout.decode()
     line = next(ln for ln in out.splitlines() if ln.startswith("WRKJSON "))
@@ -320,8 +357,10 @@ def wrk_run(url: str, seconds: float, connections: int, cpus: str | None, workdi
     return r
 
 
-async def python_closed_loop(url: str, seconds: float, connections: int) -> dict[str, Any]:
+async def python_closed_loop(url: str, seconds: float, connections: int,
+                             headers: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Fallback when wrk is missing: `connections` clients each sending one request after another."""
+    hdrs = {**HEADERS, **(headers or {})}
     done = errors = 0
     lat: list[float] = []
     conn = aiohttp.TCPConnector(limit=0)
@@ -333,7 +372,7 @@ async def python_closed_loop(url: str, seconds: float, connections: int) -> dict
             nonlocal done, errors
             while time.perf_counter() < deadline:
                 t = time.perf_counter()
-                async with session.post(url + PATH, data=BODY, headers=HEADERS) as r:
+                async with session.post(url + PATH, data=BODY, headers=hdrs) as r:
                     await r.read()
                     if r.status != 200:
                         errors += 1
@@ -346,12 +385,13 @@ async def python_closed_loop(url: str, seconds: float, connections: int) -> dict
             "p50_us": int(pct(lat, 50) * 1e6), "p99_us": int(pct(lat, 99) * 1e6)}
 
 
-def throughput(url: str, args: argparse.Namespace, workdir: Path, cpu_of: int | None = None) -> dict[str, Any]:
+def throughput(url: str, args: argparse.Namespace, workdir: Path, cpu_of: int | None = None,
+               headers: Mapping[str, str] | None = None) -> dict[str, Any]:
     before = cpu_seconds(cpu_of) if cpu_of else 0.0
     if args.client == "wrk":
-        r = wrk_run(url, args.duration, args.concurrency, args.load_cpus, workdir)
+        r = wrk_run(url, args.duration, args.concurrency, args.load_cpus, workdir, headers)
     else:
-        r = run_async(python_closed_loop(url, args.duration, args.concurrency))
+        r = run_async(python_closed_loop(url, args.duration, args.concurrency, headers))
     if cpu_of:
         cpu = cpu_seconds(cpu_of) - before
         r["router_cpu_s"] = cpu
@@ -362,12 +402,14 @@ def throughput(url: str, args: argparse.Namespace, workdir: Path, cpu_of: int | 
     return r
 
 
-async def open_loop(url: str, rate: float, seconds: float, warmup: int) -> dict[str, Any]:
+async def open_loop(url: str, rate: float, seconds: float, warmup: int,
+                    headers: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Requests sent at a fixed rate whatever the answers do; latency from each send to the body's end."""
+    hdrs = {**HEADERS, **(headers or {})}
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
         for _ in range(warmup):
-            async with session.post(url + PATH, data=BODY, headers=HEADERS) as r:
+            async with session.post(url + PATH, data=BODY, headers=hdrs) as r:
                 await r.read()
         lat: list[float] = []
         lag: list[float] = []
@@ -377,7 +419,7 @@ async def open_loop(url: str, rate: float, seconds: float, warmup: int) -> dict[
             nonlocal errors
             t = time.perf_counter()
             lag.append(t - scheduled)
-            async with session.post(url + PATH, data=BODY, headers=HEADERS) as r:
+            async with session.post(url + PATH, data=BODY, headers=hdrs) as r:
                 await r.read()
                 if r.status != 200:
                     errors += 1
@@ -402,8 +444,9 @@ async def open_loop(url: str, rate: float, seconds: float, warmup: int) -> dict[
             "send_lag_p99_ms": pct([x * 1000 for x in lag], 99)}
 
 
-async def streams(url: str, count: int, warmup: int) -> dict[str, Any]:
+async def streams(url: str, count: int, warmup: int, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
     """One streaming completion at a time: time to the first `data:` line, and to the end of the stream."""
+    hdrs = {**HEADERS, **(headers or {})}
     ttft: list[float] = []
     total: list[float] = []
     events = 0
@@ -411,7 +454,7 @@ async def streams(url: str, count: int, warmup: int) -> dict[str, Any]:
         for i in range(warmup + count):
             t = time.perf_counter()
             first = None
-            async with session.post(url + PATH, data=STREAM_BODY, headers=HEADERS) as r:
+            async with session.post(url + PATH, data=STREAM_BODY, headers=hdrs) as r:
                 if r.status != 200:
                     raise RuntimeError(f"stream answered {r.status} from {url}")
                 n = 0
@@ -445,6 +488,8 @@ def run_async(coro: Any) -> Any:
 @dataclass
 class Results:
     data: dict[str, Any] = field(default_factory=dict)
+    peers: dict[str, Any] = field(default_factory=dict)  # spec -> version, argv, config, pinning
+    peer_errors: dict[str, list[str]] = field(default_factory=dict)
 
     def add(self, section: str, key: str, value: Any) -> None:
         self.data.setdefault(section, {}).setdefault(key, []).append(value)
@@ -497,6 +542,37 @@ def router(cfg: RouterConfig, backend_ports: list[int], workdir: Path, procs: li
             print(f"  router {cfg.label} logged {len(bad)} errors, first: {bad[0][:300]}", file=sys.stderr)
 
 
+# What a peer may raise in a measurement: failed requests, an open loop past its 30 s bound, a dead peer.
+PEER_ERRORS = (RuntimeError, OSError, aiohttp.ClientError, subprocess.SubprocessError)
+
+
+def quiesce(pid: int, budget: float = 30.0, idle: float = 0.02, window: float = 0.25) -> float:
+    """Wait until `pid` (and its children) use less than `idle` of a core, within `budget` seconds.
+
+    A router slower than the load (LiteLLM at 64 connections) still works through the requests wrk
+    abandoned when its run ended; on a shared core that backlog would be charged to whichever router is
+    measured next. Returns the seconds waited."""
+    started = time.monotonic()
+    last = cpu_seconds(pid)
+    while time.monotonic() - started < budget:
+        time.sleep(window)
+        now = cpu_seconds(pid)
+        if now - last < idle * window:
+            break
+        last = now
+    return time.monotonic() - started
+
+
+def p_fail(out: Results, p: Peer, what: str, exc: Exception, say: Callable[[str], None]) -> None:
+    """A peer that fails a measurement is reported and left out of the rest, not the end of the benchmark."""
+    out.peer_errors.setdefault(str(p.spec), []).append(f"{what}: {exc}")
+    say(f"  {p.spec} failed {what}: {exc}; leaving it out of the remaining measurements")
+
+
+def live(peers: list[Peer], out: Results) -> list[Peer]:
+    return [p for p in peers if str(p.spec) not in out.peer_errors]
+
+
 def benchmark(args: argparse.Namespace, out: Results, workdir: Path, procs: list[Proc],
               say: Callable[[str], None]) -> None:
     backend, ports = start_backend(args.load_cpus, args.chunks, args.token_interval_ms)
@@ -519,13 +595,27 @@ def benchmark(args: argparse.Namespace, out: Results, workdir: Path, procs: list
 
     # Every router runs for the whole benchmark (idle ones cost nothing measurable) so that each run goes
     # through all of them in turn: slow spells of a shared machine then hit every configuration alike.
+    if not args.variants:
+        variants = []
     with contextlib.ExitStack() as stack:
         r = stack.enter_context(router(main, ports, workdir, procs))
         others = [(cfg, stack.enter_context(router(cfg, ports, workdir, procs))) for cfg in variants]
-        meter.pids = [backend.pid, r.proc.pid, *(x.proc.pid for _, x in others)]
+        peers = []
+        for spec in args.peer_specs:
+            say(f"starting {spec} on cpus {args.router_cpus} ...")
+            peers.append(stack.enter_context(peer(spec, ports, workdir, args.router_cpus, procs)))
+        out.peers.update({str(p.spec): p.describe(args.router_cpus) for p in peers})
+        meter.pids = [backend.pid, r.proc.pid, *(x.proc.pid for _, x in others), *(p.proc.pid for p in peers)]
         throughput(direct, warm, workdir)
         for _, x in [(main, r), *others]:
             throughput(x.url, warm, workdir)  # connection pools, first-call paths
+        for p in peers:
+            try:
+                throughput(p.url, warm, workdir, headers=p.headers)
+                run_async(streams(p.url, 2, 0, p.headers))  # first streams' one-time costs (LiteLLM's)
+            except PEER_ERRORS as exc:
+                p_fail(out, p, "warm-up", exc, say)
+            quiesce(p.proc.pid)
         for i in range(args.runs):
             d = measure(lambda: throughput(direct, args, workdir))
             v = measure(lambda: throughput(r.url, args, workdir, cpu_of=r.proc.pid))
@@ -539,6 +629,17 @@ def benchmark(args: argparse.Namespace, out: Results, workdir: Path, procs: list
                 out.add("variants", cfg.label, w)
                 say(f"  {cfg.label} run {i + 1}: {w['rps']:.0f} req/s, router CPU "
                     f"{_ms(w['router_cpu_ms_per_req'])} ms/req at {w['router_cpu_util']:.0%} of a core")
+            for p in live(peers, out):
+                try:
+                    w = measure(lambda p=p: throughput(p.url, args, workdir, cpu_of=p.proc.pid, headers=p.headers))
+                except PEER_ERRORS as exc:
+                    p_fail(out, p, f"throughput run {i + 1}", exc, say)
+                    continue
+                finally:
+                    quiesce(p.proc.pid)
+                out.add("peer_throughput", str(p.spec), {**w, "run": i})
+                say(f"  {p.spec} run {i + 1}: {w['rps']:.0f} req/s (ratio {w['rps'] / d['rps']:.3f}), CPU "
+                    f"{_ms(w['router_cpu_ms_per_req'])} ms/req at {w['router_cpu_util']:.0%} of a core")
         for i in range(args.runs):
             d = measure(lambda: run_async(open_loop(direct, args.rate, args.latency_seconds, args.warmup)))
             v = measure(lambda: run_async(open_loop(r.url, args.rate, args.latency_seconds, args.warmup)))
@@ -546,6 +647,18 @@ def benchmark(args: argparse.Namespace, out: Results, workdir: Path, procs: list
             out.add("latency", "router", v)
             say(f"latency run {i + 1} at {args.rate:g} req/s: p50 {d['p50_ms']:.3f} -> {v['p50_ms']:.3f} ms, "
                 f"p99 {d['p99_ms']:.3f} -> {v['p99_ms']:.3f} ms")
+            for p in live(peers, out):
+                try:
+                    w = measure(lambda p=p: run_async(open_loop(p.url, args.rate, args.latency_seconds, args.warmup,
+                                                                p.headers)))
+                except PEER_ERRORS as exc:
+                    p_fail(out, p, f"latency run {i + 1}", exc, say)
+                    continue
+                finally:
+                    quiesce(p.proc.pid)
+                out.add("peer_latency", str(p.spec), {**w, "run": i})
+                say(f"  {p.spec}: p50 {w['p50_ms']:.3f} ms (+{w['p50_ms'] - d['p50_ms']:.3f}), "
+                    f"p99 {w['p99_ms']:.3f} ms (+{w['p99_ms'] - d['p99_ms']:.3f})")
         for i in range(args.runs):
             d = measure(lambda: run_async(streams(direct, args.streams, 10)))
             v = measure(lambda: run_async(streams(r.url, args.streams, 10)))
@@ -553,6 +666,15 @@ def benchmark(args: argparse.Namespace, out: Results, workdir: Path, procs: list
             out.add("streaming", "router", v)
             say(f"streaming run {i + 1}: TTFT p50 {d['ttft_p50_ms']:.3f} -> {v['ttft_p50_ms']:.3f} ms, "
                 f"p99 {d['ttft_p99_ms']:.3f} -> {v['ttft_p99_ms']:.3f} ms ({v['events_per_stream']} events)")
+            for p in live(peers, out):
+                try:
+                    w = measure(lambda p=p: run_async(streams(p.url, args.streams, 10, p.headers)))
+                except PEER_ERRORS as exc:
+                    p_fail(out, p, f"streaming run {i + 1}", exc, say)
+                    continue
+                out.add("peer_streaming", str(p.spec), {**w, "run": i})
+                say(f"  {p.spec}: TTFT p50 {w['ttft_p50_ms']:.3f} ms (+{w['ttft_p50_ms'] - d['ttft_p50_ms']:.3f}), "
+                    f"p99 {w['ttft_p99_ms']:.3f} ms ({w['events_per_stream']} events)")
 
 
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
@@ -563,6 +685,11 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     s["ratio"] = spread([v["rps"] / d["rps"] for d, v in zip(t["direct"], t["router"], strict=True)])
     s["router_cpu_ms_per_req"] = spread([x["router_cpu_ms_per_req"] for x in t["router"]])
     s["router_cpu_util"] = spread([x["router_cpu_util"] for x in t["router"]])
+    # CPU-seconds per 1,000 requests is the same number as CPU-milliseconds per request; both are named
+    # because both are asked for. Requests per fully used core: throughput over the core share it took.
+    s["router_cpu_s_per_1000_req"] = s["router_cpu_ms_per_req"]
+    s["router_rps_per_core"] = spread([x["rps"] / x["router_cpu_util"] if x["router_cpu_util"] else None
+                                       for x in t["router"]])
     lat = raw["latency"]
     for q in ("p50", "p90", "p99"):
         s[f"direct_{q}_ms"] = spread([x[f"{q}_ms"] for x in lat["direct"]])
@@ -589,6 +716,57 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
+def summarize_peers(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per peer, the same figures as the router's, each paired with the direct (and router) run it ran in."""
+    out: dict[str, dict[str, Any]] = {}
+    t, lat, st = raw["throughput"], raw["latency"], raw["streaming"]
+    specs = {*raw.get("peer_throughput", {}), *raw.get("peer_latency", {}), *raw.get("peer_streaming", {})}
+    for spec in sorted(specs):
+        s: dict[str, Any] = {}
+        runs = raw.get("peer_throughput", {}).get(spec, [])
+        if runs:
+            s["rps"] = spread([x["rps"] for x in runs])
+            s["ratio_vs_direct"] = spread([x["rps"] / t["direct"][x["run"]]["rps"] for x in runs])
+            s["rps_vs_fleetroute"] = spread([x["rps"] / t["router"][x["run"]]["rps"] for x in runs])
+            s["cpu_ms_per_req"] = spread([x["router_cpu_ms_per_req"] for x in runs])
+            s["cpu_s_per_1000_req"] = s["cpu_ms_per_req"]
+            s["cpu_util"] = spread([x["router_cpu_util"] for x in runs])
+            s["rps_per_core"] = spread([x["rps"] / x["router_cpu_util"] if x["router_cpu_util"] else None
+                                        for x in runs])
+        runs = raw.get("peer_latency", {}).get(spec, [])
+        for q in ("p50", "p99"):
+            if runs:
+                s[f"{q}_ms"] = spread([x[f"{q}_ms"] for x in runs])
+                s[f"added_{q}_ms"] = spread([x[f"{q}_ms"] - lat["direct"][x["run"]][f"{q}_ms"] for x in runs])
+        runs = raw.get("peer_streaming", {}).get(spec, [])
+        for q in ("p50", "p99"):
+            if runs:
+                s[f"ttft_{q}_ms"] = spread([x[f"ttft_{q}_ms"] for x in runs])
+                s[f"added_ttft_{q}_ms"] = spread(
+                    [x[f"ttft_{q}_ms"] - st["direct"][x["run"]][f"ttft_{q}_ms"] for x in runs])
+        out[spec] = s
+    return out
+
+
+def peer_table(summary: dict[str, Any], peers: dict[str, dict[str, Any]], versions: dict[str, Any]) -> str:
+    def m(d: dict[str, Any], key: str, fmt: str = "{:.3f}") -> str:
+        return fmt.format(d[key]["median"]) if key in d else "-"
+
+    head = (f"{'router':<34} {'version':<9} {'req/s':>7} {'vs dir':>7} {'cpu ms/req':>10} {'req/s/core':>10} "
+            f"{'+p50 ms':>8} {'+p99 ms':>8} {'+TTFT p50':>9}")
+    lines = [head, "-" * len(head)]
+    fr = {"rps": summary["router_rps"], "ratio_vs_direct": summary["ratio"],
+          "cpu_ms_per_req": summary["router_cpu_ms_per_req"], "rps_per_core": summary["router_rps_per_core"],
+          "added_p50_ms": summary["added_p50_ms"], "added_p99_ms": summary["added_p99_ms"],
+          "added_ttft_p50_ms": summary["added_ttft_p50_ms"]}
+    for name, version, d in [("fleetroute (main)", "", fr),
+                             *((spec, versions.get(spec, {}).get("version", ""), s) for spec, s in peers.items())]:
+        lines.append(f"{name:<34} {version:<9} {m(d, 'rps', '{:.0f}'):>7} {m(d, 'ratio_vs_direct'):>7} "
+                     f"{m(d, 'cpu_ms_per_req'):>10} {m(d, 'rps_per_core', '{:.0f}'):>10} {m(d, 'added_p50_ms'):>8} "
+                     f"{m(d, 'added_p99_ms'):>8} {m(d, 'added_ttft_p50_ms'):>9}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="repetitions of each measurement (default 3)")
@@ -613,6 +791,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-budget", type=float, default=30.0,
                         help="seconds all waits for a quiet machine together may take (default 30)")
     parser.add_argument("--quick", action="store_true", help="1 short run of everything (a smoke test)")
+    parser.add_argument("--peers", default="",
+                        help="peer routers to measure too, as peer:policy,... (loadtest/peers; e.g. "
+                             "vllm-router:round_robin,sglang-router:round_robin,litellm:simple-shuffle,nginx:least_conn)")
+    parser.add_argument("--no-variants", dest="variants", action="store_false",
+                        help="leave out the router variants (asyncio, no access log, workers 2, both cores)")
     parser.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results", help="where the JSON goes")
     args = parser.parse_args(argv)
     if args.quick:
@@ -624,6 +807,13 @@ def main(argv: list[str] | None = None) -> int:
     if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
         args.router_cpus = args.router_cpus or "0"
         args.load_cpus = args.load_cpus or "1"
+    try:
+        args.peer_specs = parse_peer_specs(args.peers) if args.peers.strip() else ()
+    except PeerError as exc:
+        parser.error(f"--peers: {exc}")
+    for spec in args.peer_specs:
+        if reason := unavailable_reason(spec.peer):
+            parser.error(f"--peers: {reason}")
     if args.load_cpus:  # this process is the Python load generator
         os.sched_setaffinity(0, {int(c) for c in args.load_cpus.split(",")})
 
@@ -643,12 +833,17 @@ def main(argv: list[str] | None = None) -> int:
             for p in reversed(procs):
                 p.stop()
     summary = summarize(results.data)
+    peers = summarize_peers(results.data)
     record = {
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "elapsed_s": round(time.time() - started, 1),
         "machine": info,
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "settings": {k: (str(v) if isinstance(v, Path) else [str(x) for x in v] if k == "peer_specs" else v)
+                     for k, v in vars(args).items()},
         "summary": summary,
+        "peers": results.peers,  # version, exact argv, environment, configuration, pinning of each peer
+        "peer_summary": peers,
+        "peer_errors": results.peer_errors,
         "raw": results.data,
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -657,6 +852,11 @@ def main(argv: list[str] | None = None) -> int:
     say(f"\nsummary (median [min, max] of {args.runs} runs):")
     for key, value in summary.items():
         say(f"  {key:32s} {value['median']:10.3f}  [{value['min']:.3f}, {value['max']:.3f}]")
+    if results.peers:
+        say(f"\nrouters on cpus {args.router_cpus} (medians; + = added over direct in the same run):")
+        say(peer_table(summary, peers, results.peers))
+    for spec, errors in results.peer_errors.items():
+        say(f"  {spec} failed: {'; '.join(errors)}")
     say(f"\nwrote {path} ({record['elapsed_s']} s)")
     return 0
 

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ import aiohttp
 import yaml
 
 from loadtest.client import Result, run_open_loop
+from loadtest.host import free_port
 from loadtest.processes import Child, ProcessGroup
 from loadtest.workload import chat_sessions
 
@@ -37,11 +37,6 @@ FAULTS = ("kill", "errors", "hang", "stall", "slow", "unhealthy")
 MID_STREAM = {"stream_error", "truncated"}
 
 
-def free_port() -> int:
-    """A free loopback port for a replica (a restarted replica comes back on the same one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mib(pid: int) -> float:

@@ -31,13 +31,23 @@ improves by one class per `agingSeconds` waited, so low requests are delayed, ne
 entry, like a virtual-time scheduler (start-time fair queueing), with no re-sorting as time passes. Within a
 class that is arrival order, so one FIFO per class suffices and the next request is the best of the heads.
 
+`order: shortest-expected-first` orders each class by expected cost instead (router/cost.py: the request's
+predicted cost C in tokens), with ageing in the same virtual-time form: the key's time part is
+`enqueued_at + C / agingTokensPerSecond`. A request of cost C is therefore overtaken only by requests of
+its class that arrive less than C / rate seconds after it (and are cheaper): it is served no later than a
+FIFO queue would serve a request arriving C / rate seconds after it, so long requests are delayed by a
+bounded amount, never starved (default rate 1000 tokens/s: a 5,000-token request yields for at most 5 s).
+Keys stay fixed on entry, so each class is a heap on its keys instead of a FIFO; across classes (ageing
+on) the key is `rank * aging + enqueued_at + C / rate`, the same virtual time.
+
 Shedding:
 - `deadline`: each request has a deadline (`x-request-deadline-ms`, at most the class's `deadline`),
   counted from when it joined the queue. One timer per pool fires at the earliest deadline; `sweep()`
   sheds what is overdue. Timers run on the event loop's clock; deadlines are judged on the injected
   `clock`, so tests move a fake clock and call `sweep()` instead of sleeping.
 - `queue_full` / `evicted`: at `maxQueue` waiting, a newcomer of a strictly higher class evicts the
-  newest request of the lowest class present; otherwise the newcomer is shed. Eviction looks at classes,
+  last request in order of the lowest class present (the newest, or with shortest-expected-first the one
+  with the largest key); otherwise the newcomer is shed. Eviction looks at classes,
   not ageing: under sustained overload an old low request must not keep a new high one out.
 
 Shed requests get `shedStatus` (429 or 503) with `Retry-After` in the OpenAI error shape, a count in
@@ -55,7 +65,7 @@ import math
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -70,6 +80,7 @@ log = logging.getLogger("fleetroute.admission")
 
 DEADLINE_HEADER = "x-request-deadline-ms"
 SHED_STATUSES = (429, 503)
+ORDERS = ("fifo", "shortest-expected-first")
 MAX_CLASSES = 16  # class names are metric label values: keep the cardinality bounded
 _CLASS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]{0,30}[a-z0-9])?$")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an RFC 9110 token
@@ -104,6 +115,8 @@ class AdmissionSettings:
     aging: float | None = 10.0  # seconds of waiting that raise a request by one class; None: strict order
     shed_status: int = 429
     retry_after: float = 1.0
+    order: str = "fifo"  # within a class; "shortest-expected-first" orders by predicted cost, with ageing
+    aging_tokens_per_second: float = 1000.0  # shortest-expected-first: cost worth one second of waiting
     _by_name: Mapping[str, PriorityClass] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +154,15 @@ def parse_admission(f: _Fields) -> AdmissionSettings:
     if shed_status not in SHED_STATUSES or isinstance(shed_status, bool):
         raise ConfigError(f.at("shedStatus"), f"must be 429 or 503, got {_show(shed_status)}")
     retry_after = f.duration("retryAfter", defaults.retry_after)
+    order = f.choice("order", defaults.order, ORDERS)
+    # `null` is "not set", so that an entry switching a preset's shortest-expected-first back to fifo can
+    # drop the preset's rate (router/presets.py: a written null replaces the preset's value).
+    if f.get("agingTokensPerSecond") is not None and order == "fifo":
+        raise ConfigError(f.at("agingTokensPerSecond"), "applies only with order: shortest-expected-first "
+                                                        "(null unsets it)")
+    rate = defaults.aging_tokens_per_second
+    if f.get("agingTokensPerSecond") is not None:
+        rate = f.number("agingTokensPerSecond", rate, minimum=0, exclusive_minimum=True)
     f.done()
     return AdmissionSettings(
         max_queue=max_queue,
@@ -151,6 +173,8 @@ def parse_admission(f: _Fields) -> AdmissionSettings:
         aging=aging,
         shed_status=shed_status,
         retry_after=retry_after,
+        order=order,
+        aging_tokens_per_second=rate,
     )
 
 
@@ -183,16 +207,86 @@ class _State(enum.Enum):
 
 
 class _Waiter:
-    __slots__ = ("cls", "request_id", "enqueued_at", "deadline_at", "key", "future", "state")
+    __slots__ = ("cls", "request_id", "enqueued_at", "deadline_at", "key", "seq", "future", "state")
 
-    def __init__(self, cls: PriorityClass, request_id: str, now: float, deadline_at: float, key: tuple[float, int]):
+    def __init__(self, cls: PriorityClass, request_id: str, now: float, deadline_at: float,
+                 key: tuple[float, ...], seq: int):
         self.cls = cls
         self.request_id = request_id
         self.enqueued_at = now
         self.deadline_at = deadline_at
-        self.key = key
+        self.key = key  # the service order, fixed on entry (lower first); its last element is `seq`
+        self.seq = seq
         self.future: asyncio.Future[web.Response | None] = asyncio.get_running_loop().create_future()
         self.state = _State.QUEUED
+
+
+class _Fifo(deque[_Waiter]):
+    """A class's queue in arrival order (the default)."""
+
+    def push(self, waiter: _Waiter, front: bool) -> None:
+        if front:  # back at the head, keeping the place it earned
+            self.appendleft(waiter)
+        else:
+            self.append(waiter)
+
+    def head(self) -> _Waiter:
+        return self[0]
+
+    def last(self) -> _Waiter:
+        return self[-1]
+
+
+class _ByKey:
+    """A class's queue in key order (shortest-expected-first): heaps on the waiters' fixed keys.
+
+    Removal is lazy: a shed or cancelled waiter only leaves `_live`, and the heaps drop it when it reaches
+    their top (or when dead entries outnumber live ones, in one rebuild). A mass expiry of thousands of
+    queued requests is then O(n log n), not the O(n^2) of removing each from the heap's middle. `last()`
+    (the newest, longest-expected waiter, evicted first) reads a second heap on the negated keys.
+    """
+
+    __slots__ = ("_heap", "_reverse", "_live", "_pushes")
+
+    def __init__(self) -> None:
+        # (key, push number, waiter): a waiter put back may meet its own stale entry, and the push number
+        # keeps equal keys from ever comparing the waiters themselves.
+        self._heap: list[tuple[tuple[float, ...], int, _Waiter]] = []
+        self._reverse: list[tuple[tuple[float, ...], int, _Waiter]] = []
+        self._live: set[_Waiter] = set()
+        self._pushes = itertools.count()
+
+    def push(self, waiter: _Waiter, front: bool) -> None:
+        # Its key alone restores the place it earned (a woken waiter put back keeps its key).
+        n = next(self._pushes)
+        heapq.heappush(self._heap, (waiter.key, n, waiter))
+        heapq.heappush(self._reverse, (tuple(-k for k in waiter.key), n, waiter))
+        self._live.add(waiter)
+
+    def _top(self, heap: list[tuple[tuple[float, ...], int, _Waiter]]) -> _Waiter:
+        while heap[0][2] not in self._live:
+            heapq.heappop(heap)
+        return heap[0][2]
+
+    def head(self) -> _Waiter:
+        return self._top(self._heap)
+
+    def last(self) -> _Waiter:
+        return self._top(self._reverse)
+
+    def remove(self, waiter: _Waiter) -> None:
+        self._live.discard(waiter)
+        if len(self._heap) > 2 * len(self._live) + 64:  # bound the dead weight
+            self._heap = [entry for entry in self._heap if entry[2] in self._live]
+            self._reverse = [entry for entry in self._reverse if entry[2] in self._live]
+            heapq.heapify(self._heap)
+            heapq.heapify(self._reverse)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[_Waiter]:
+        return iter(list(self._live))
 
 
 class Admission:
@@ -256,7 +350,9 @@ class Pool:
         self._admission = admission
         self._loads = admission._loads
         self._clock = admission._clock
-        self._queues: dict[str, deque[_Waiter]] = {c.name: deque() for c in settings.classes}
+        self._by_cost = settings.order == "shortest-expected-first"
+        queue = _ByKey if self._by_cost else _Fifo
+        self._queues: dict[str, _Fifo | _ByKey] = {c.name: queue() for c in settings.classes}
         self._lowest_first = tuple(reversed(settings.classes))
         self.queued = 0
         self.pending = 0  # woken requests that hold a promised slot but have not started yet
@@ -302,8 +398,9 @@ class Pool:
 
     # ---- the request path ------------------------------------------------------------------------------
 
-    async def admit(self, request_id: str, headers: Mapping[str, str]) -> web.Response | None:
-        """Wait for a slot. Returns None when the request may go on, or the response to shed it with."""
+    async def admit(self, request_id: str, headers: Mapping[str, str], cost: float = 0.0) -> web.Response | None:
+        """Wait for a slot. Returns None when the request may go on, or the response to shed it with.
+        `cost` (tokens, router/cost.py) orders the request within its class under shortest-expected-first."""
         settings = self.settings
         cls = settings.classify(headers.get(settings.priority_header))
         ids = self.endpoint_ids()
@@ -317,8 +414,13 @@ class Pool:
         if budget is not None:
             deadline = min(deadline, budget)  # a client may shorten its wait, never extend its class's
         aging = settings.aging
-        key = (cls.rank * aging + now, next(self._seq)) if aging is not None else (cls.rank, next(self._seq))
-        waiter = _Waiter(cls, request_id, now, now + deadline, key)
+        seq = next(self._seq)
+        start = now + cost / settings.aging_tokens_per_second if self._by_cost else now
+        if aging is not None:
+            key: tuple[float, ...] = (cls.rank * aging + start, seq)
+        else:
+            key = (cls.rank, start, seq) if self._by_cost else (cls.rank, seq)
+        waiter = _Waiter(cls, request_id, now, now + deadline, key, seq)
         if deadline <= 0:
             return self._shed(waiter, "deadline")
         if self.queued >= settings.max_queue:
@@ -382,16 +484,12 @@ class Pool:
     # ---- queue structure -------------------------------------------------------------------------------
 
     def _enqueue(self, waiter: _Waiter, *, front: bool = False) -> None:
-        queue = self._queues[waiter.cls.name]
-        if front:
-            queue.appendleft(waiter)
-        else:
-            queue.append(waiter)
+        self._queues[waiter.cls.name].push(waiter, front)
         waiter.state = _State.QUEUED
         self.queued += 1
         self._depth[waiter.cls.name].inc()
         self._admission._busy.add(self)
-        heapq.heappush(self._deadlines, (waiter.deadline_at, waiter.key[1], waiter))
+        heapq.heappush(self._deadlines, (waiter.deadline_at, waiter.seq, waiter))
         self._arm()
 
     def _remove(self, waiter: _Waiter) -> None:
@@ -407,15 +505,15 @@ class Pool:
             heapq.heapify(self._deadlines)
 
     def _best(self) -> _Waiter:
-        heads = [q[0] for q in self._queues.values() if q]
+        heads = [q.head() for q in self._queues.values() if q]
         return min(heads, key=lambda w: w.key)
 
     def _victim(self) -> _Waiter | None:
-        """The newest request of the lowest class that has any."""
+        """The last request in order (FIFO: the newest) of the lowest class that has any."""
         for cls in self._lowest_first:
             queue = self._queues[cls.name]
             if queue:
-                return queue[-1]
+                return queue.last()
         return None
 
     def _arm(self) -> None:

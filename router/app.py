@@ -25,13 +25,16 @@ from router.admission import Admission
 from router.background import contained
 from router.balancer import Balancer
 from router.context import CONTEXT, RouterContext
+from router.explain import DecisionLog, ExplainSettings
 from router.handlers import add_admin_routes, add_ingress_routes, openai_errors
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
 from router.policies.registry import PolicyRegistry
+from router.prefix_sharing import PrefixSharing
+from router.prefix_upkeep import PrefixUpkeep, run_upkeep
 from router.proxy import Proxy
 from router.settings import Settings
-from router.shared_loads import SharedLoads
+from router.shared_loads import SharedLoads, replica_id
 from router.sticky import StickyTable
 from router.telemetry import EmbeddedCollection, MemoryStore, RedisStore, TelemetryFeed, run_feed
 
@@ -60,12 +63,15 @@ def build_context(
     )
     balancer.set_endpoints(settings.endpoints)  # static discovery
     balancer.rebuild()
+    metrics.set_policies(settings.policies)
     admission = Admission(balancer=balancer, loads=loads, metrics=metrics, clock=clock)
     loads.on_release = admission.released  # a slot freed: wake the best queued request
     balancer.on_rebuild = admission.rebuilt  # endpoints resumed, joined or recovered: maybe more slots
+    decisions = DecisionLog(settings.explain or ExplainSettings(), metrics,
+                            permission=auth.explain_permission(settings.auth))
     return RouterContext(
         settings=settings, metrics=metrics, loads=loads, balancer=balancer, registry=registry, admission=admission,
-        clock=clock, rng=rng,
+        decisions=decisions, clock=clock, rng=rng,
     )
 
 
@@ -197,6 +203,33 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
             await client.aclose()
 
 
+async def _prefix_upkeep(app: web.Application) -> AsyncIterator[None]:
+    """The prefix-aware policy's background task: index clock, tuning against the engines' hit rates, and,
+    with Redis, sharing the index with the other replicas (its own binary client: hashes travel packed)."""
+    ctx = app[CONTEXT]
+    settings = ctx.settings
+    client = None
+    sharing = None
+    if settings.redis.url is not None:
+        client = aioredis.from_url(settings.redis.url, decode_responses=False, protocol=2,
+                                   socket_timeout=settings.telemetry.timeout,
+                                   socket_connect_timeout=settings.telemetry.timeout, retry_on_timeout=False)
+        router_id = ctx.shared_loads.replica if ctx.shared_loads is not None else replica_id()
+        sharing = PrefixSharing(redis=client, router_id=router_id, metrics=ctx.metrics, clock=ctx.clock)
+    upkeep = ctx.prefix_upkeep = PrefixUpkeep(balancer=ctx.balancer, metrics=ctx.metrics, sharing=sharing,
+                                              clock=ctx.clock)
+    task = asyncio.create_task(run_upkeep(upkeep, ctx.metrics), name="fleetroute-prefix-upkeep")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        ctx.prefix_upkeep = None
+        if client is not None:
+            await client.aclose()
+
+
 def sync_sticky_tables(ctx: RouterContext) -> None:
     """One session table per policy with stickiness; a table survives a reload that keeps its settings."""
     wanted = {spec.name: spec.stickiness for spec in ctx.settings.policies if spec.stickiness.enabled}
@@ -225,7 +258,9 @@ def apply_settings(ctx: RouterContext, new: Settings) -> None:
     if ctx.control is not None:  # the file's policies are the base the RoutingPolicies are merged onto
         new = ctx.control.rebase(new)
     ctx.settings = new
+    ctx.decisions.configure(new.explain or ExplainSettings())  # sampling can be raised live while debugging
     ctx.balancer.set_policies(new.policies)
+    ctx.metrics.set_policies(new.policies)
     if ctx.discovery is not None:
         ctx.discovery.set_static(new.endpoints)  # joined with the discovered ones, published by discovery
     else:
@@ -312,6 +347,7 @@ def build_apps(ctx: RouterContext) -> tuple[web.Application, web.Application]:
     ingress.cleanup_ctx.append(_discovery)  # first: the first snapshot already has the discovered endpoints
     ingress.cleanup_ctx.append(_upstream)
     ingress.cleanup_ctx.append(_shared_state)
+    ingress.cleanup_ctx.append(_prefix_upkeep)  # after _shared_state: it names this replica
     ingress.cleanup_ctx.append(_control)  # last: its policies get the session tables and health checks above
     add_ingress_routes(ingress)
     admin = web.Application(middlewares=[openai_errors, *auth.admin_middlewares(ctx.settings.auth, ctx.metrics)])
@@ -389,6 +425,7 @@ def reload_from(ctx: RouterContext, path: str) -> None:
         return
     ctx.metrics.config_reloads.labels("applied").inc()
     log.info("configuration reloaded", extra={"policies": [p.name for p in new.policies],
+                                              "presets": {p.name: p.preset for p in new.policies if p.preset},
                                               "endpoints": len(new.endpoints)})
 
 
@@ -412,6 +449,7 @@ async def serve(settings: Settings, *, reuse_port: bool = False, config_path: st
             "endpoints": len(ctx.balancer.endpoints()),
             "models": list(ctx.balancer.models()),
             "policies": [p.name for p in settings.policies] or ["default"],
+            "presets": {p.name: p.preset for p in settings.policies if p.preset},
         },
     )
     try:

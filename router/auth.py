@@ -10,6 +10,9 @@
   engine must never see, or log, the router's client keys). `auth.upstreamApiKeyEnv` names a variable
   holding the key the engines expect (vLLM `--api-key`); when set it is sent instead, whatever the client
   sent. With neither, `Authorization` passes through untouched, as before.
+- **Explanations** (router/explain.py): a key followed by the flag `explain` (`sk-alice explain`) may ask
+  for routing explanations with `x-fleetroute-explain: 1`; the admin token may too, as that header's value.
+  Nobody else can: their header is ignored (`explain_permission`).
 - **Admin token** (`admin.tokenEnv`, default `FLEETROUTE_ADMIN_TOKEN`): when the variable is set, every
   admin route except the probes and the scrape (`/metrics`, `/healthz`, `/readyz`) needs
   `Authorization: Bearer <token>`. Deny by default: a route added later is protected without a change here.
@@ -51,6 +54,8 @@ MAX_HEADERS = 128
 OPEN_ADMIN_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})  # kubelet and Prometheus carry no token
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # visible ASCII, no spaces: what fits in `Bearer <token>`
+KEY_FLAGS = ("explain",)  # what may follow a key in a key file or variable
+EXPLAIN_ON = frozenset({"1", "true", "yes", "on"})  # x-fleetroute-explain values that ask with an API key
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -60,6 +65,7 @@ class AuthSettings:
     """Secrets are kept as SHA-256 digests or hidden from repr: printing settings never shows them."""
 
     api_key_digests: tuple[bytes, ...] = field(default=(), repr=False)
+    explain_key_digests: tuple[bytes, ...] = field(default=(), repr=False)  # keys marked `explain`
     api_key_sources: tuple[str, ...] = ()  # where the keys came from ("file /x", "$VAR"), for humans
     upstream_authorization: str | None = field(default=None, repr=False)  # "Bearer <engine key>"
     admin_token_digest: bytes | None = field(default=None, repr=False)
@@ -73,7 +79,7 @@ class AuthSettings:
 def parse_auth(top: _Fields) -> AuthSettings | None:
     """The `auth:` block and `admin.tokenEnv`, with the secrets they point to read now; None if none is set."""
     f = top.sub("auth")
-    keys: list[str] = []
+    keys: list[tuple[str, bool]] = []  # (key, may ask for explanations)
     sources: list[str] = []
     path = f.get("apiKeysFile")
     if path is not None:
@@ -113,7 +119,8 @@ def parse_auth(top: _Fields) -> AuthSettings | None:
     if not keys and upstream is None and not token:
         return None  # nothing configured: no middleware, no header rewriting
     return AuthSettings(
-        api_key_digests=tuple(dict.fromkeys(_digest(k) for k in keys)),
+        api_key_digests=tuple(dict.fromkeys(_digest(k) for k, _ in keys)),
+        explain_key_digests=tuple(dict.fromkeys(_digest(k) for k, explain in keys if explain)),
         api_key_sources=tuple(sources),
         upstream_authorization=upstream,
         admin_token_digest=_digest(token) if token else None,
@@ -137,20 +144,25 @@ def _required_env(name: str, where: str) -> str:
     return value
 
 
-def _keys(text: str, where: str) -> list[str]:
-    """Keys separated by commas or newlines; blank lines and lines starting with `#` are skipped."""
-    keys = []
+def _keys(text: str, where: str) -> list[tuple[str, bool]]:
+    """Keys separated by commas or newlines; blank lines and lines starting with `#` are skipped. A key may
+    be followed, after a space, by the flag `explain`: its holder may ask for routing explanations."""
+    keys: list[tuple[str, bool]] = []
     for line in text.splitlines():
         if line.strip().startswith("#"):
             continue
         for item in line.split(","):
-            key = item.strip()
-            if not key:
+            if not item.strip():
                 continue
+            key, *flags = item.split()
             if not _TOKEN.match(key):
                 # Never quote the key itself: config errors end up in logs.
                 raise ConfigError(where, f"key {len(keys) + 1} contains spaces or non-ASCII characters")
-            keys.append(key)
+            if any(flag not in KEY_FLAGS for flag in flags):
+                # Nor the flag: a missing comma between two keys would make the second one look like a flag.
+                raise ConfigError(where, f"key {len(keys) + 1} is followed by something other than a flag "
+                                         f"(a key may be followed by: {', '.join(KEY_FLAGS)})")
+            keys.append((key, "explain" in flags))
     if not keys:
         raise ConfigError(where, "contains no API keys")
     return keys
@@ -237,6 +249,36 @@ def upstream_credentials(settings: AuthSettings | None) -> Callable[[CIMultiDict
 
         return drop_client_key
     return None
+
+
+def explain_permission(settings: AuthSettings | None) -> Callable[[str, str | None], bool] | None:
+    """Who may ask for a routing explanation (router/explain.py), given `x-fleetroute-explain`'s value and the
+    request's `Authorization`; None when nobody can (no admin token, no key marked `explain`).
+
+    - the admin token as the header's value (an operator, with a client key as well if the ingress needs
+      one): `x-fleetroute-explain: <admin token>`;
+    - `x-fleetroute-explain: 1` from a client whose API key (already checked by `require_api_key`) is marked
+      `explain` in the key file or variable.
+
+    Anything else is no permission: the request is served without an explanation. Comparisons are constant
+    time, as for every other secret here."""
+    if settings is None:
+        return None
+    admin = settings.admin_token_digest
+    keys = settings.explain_key_digests
+    if admin is None and not keys:
+        return None
+
+    def permitted(value: str, authorization: str | None) -> bool:
+        value = value.strip()
+        if admin is not None and value and _matches(value, (admin,)):
+            return True
+        if keys and value.lower() in EXPLAIN_ON:
+            token = _bearer(authorization)
+            return token is not None and _matches(token, keys)
+        return False
+
+    return permitted
 
 
 class ProtocolLog(logging.LoggerAdapter):  # type: ignore[type-arg]

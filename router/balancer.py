@@ -24,12 +24,15 @@ from router.health.pool import PoolHealth
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
 from router.model import Endpoint, EndpointState, EndpointView, RequestInfo, Snapshot, Telemetry
-from router.policies.base import Picker
+from router.policies.base import MAX_LISTED, DecisionTrace, Picker
 from router.policies.registry import PolicyRegistry
 from router.settings import PolicySpec, default_policy
 from router.sticky import within_load_bound
 
 log = logging.getLogger("fleetroute.balancer")
+
+# Telemetry values an explanation shows per candidate (those the built-in strategies read).
+TELEMETRY_FACTS = ("gpu_util", "gpu_mem_util", "kv_cache_usage", "num_waiting", "num_running")
 
 
 class Balancer:
@@ -162,7 +165,7 @@ class Balancer:
             telemetry = self._telemetry.get(ep.id)
             if telemetry is not None:
                 age = now - telemetry.reported_at
-                self._metrics.telemetry_age.labels(ep.id).set(max(age, 0.0))
+                self._metrics.child(self._metrics.telemetry_age, ep.id).set(max(age, 0.0))
                 self._aged.add(ep.id)
                 if age > self._stale_after:
                     telemetry = None
@@ -270,6 +273,12 @@ class Balancer:
         if any(pool.needs_ticks() for pool in self.health.values()):
             self.rebuild()
 
+    def pool_states(self) -> list[tuple[PolicySpec, str, Any]]:
+        """(policy, model, picker state) of every pool the last rebuild built: background tasks that keep a
+        policy's state (prefix-index sharing and tuning) find it here."""
+        return [(spec, model, self._pool_state[(spec.name, model)])
+                for model, (spec, _picker) in self._pickers.items() if (spec.name, model) in self._pool_state]
+
     def endpoints_for_policy(self, name: str) -> list[Endpoint]:
         """Endpoints serving at least one model routed by the named policy (what its health checks probe)."""
         return [ep for ep in self._endpoints.values() if any(self.policy_for(m).name == name for m in ep.models)]
@@ -285,12 +294,28 @@ class Balancer:
             return None, "overloaded"
         return view, "hit"
 
-    def pick(self, req: RequestInfo, exclude: frozenset[str] = frozenset()) -> EndpointView | None:
+    def observe(self, req: RequestInfo, view: EndpointView) -> None:
+        """A request goes to `view` without a pick (its session's pin): pickers that learn where traffic
+        goes (a prefix index) hear of it too, or every later turn of a pinned session would be invisible."""
+        entry = self._pickers.get(req.model)
+        observe = getattr(entry[1], "observe", None) if entry is not None else None
+        if observe is not None:
+            observe(req, view)
+
+    def pick(
+        self, req: RequestInfo, exclude: frozenset[str] = frozenset(), trace: DecisionTrace | None = None
+    ) -> EndpointView | None:
+        """The model's policy's choice outside `exclude`. With a `trace` (an explained request only) the
+        picker records what it compared and `annotate` adds the facts around it; without, neither runs."""
         entry = self._pickers.get(req.model)
         if entry is None:
             return None
         spec, picker = entry
-        view = picker.pick(req, self.loads, exclude)
+        if trace is None:
+            view = picker.pick(req, self.loads, exclude)
+        else:
+            view = picker.pick(req, self.loads, exclude, trace)
+            self.annotate(req.model, trace, exclude)
         if view is not None:
             key = (spec.name, view.id)
             child = self._decision_children.get(key)
@@ -298,3 +323,69 @@ class Balancer:
                 child = self._decision_children[key] = self._metrics.decisions.labels(spec.name, spec.strategy, view.id)
             child.inc()
         return view
+
+    # ---- explanations (router/explain.py): read only, and only for requests that are explained ------------
+
+    def annotate(self, model: str, trace: DecisionTrace, exclude: frozenset[str] = frozenset()) -> None:
+        """Per candidate of the model's pool (outside `exclude`), the facts every strategy is subject to:
+        local in-flight count, slow-start weight, breaker state, and the telemetry the picker saw (its age and
+        values; `stale` with the age of the last report when it was too old to use, `none` when there is
+        none), plus the health problem of an endpoint routable only because the pool is in panic. Values the
+        picker noted itself are never overwritten."""
+        entry = self._pickers.get(model)
+        if entry is None:
+            return
+        health = self.health.get(entry[0].name)
+        breakers = health is not None and health.settings.breaker.enabled
+        panic = health is not None and model in health.panicking
+        now = self._clock()
+        for view in self._pools.get(model, ()):
+            if view.id in exclude:
+                continue
+            facts = trace.candidates.setdefault(view.id, {})
+            facts.setdefault("in_flight", self.loads.in_flight(view.id))
+            facts.setdefault("slow_start_weight", view.weight_factor)
+            if view.endpoint.weight != 1.0:
+                facts.setdefault("capacity_weight", view.endpoint.weight)
+            if breakers:
+                assert health is not None
+                facts.setdefault("breaker", health.breaker(view.id).current(now).value)
+            if panic and health is not None and (problem := health.excluded_reason(view.id)) is not None:
+                facts.setdefault("health", problem)
+            t = view.telemetry
+            if t is None:
+                last = self._telemetry.get(view.id)
+                facts.setdefault("telemetry", "stale" if last is not None else "none")
+                if last is not None:
+                    facts.setdefault("telemetry_age_s", now - last.reported_at)
+                continue
+            facts.setdefault("telemetry_age_s", now - t.reported_at)
+            for name in TELEMETRY_FACTS:
+                value = getattr(t, name)
+                if value is not None:
+                    facts.setdefault(name, value)
+
+    def pool_report(self, model: str) -> dict[str, Any]:
+        """The model's pool as the picker saw it: how many endpoints were routable, which serving ones were
+        left out and why (draining, or the health reason at the last build), and whether it is in panic."""
+        entry = self._pickers.get(model)
+        spec = entry[0] if entry is not None else self.policy_for(model)
+        health = self.health.get(spec.name)
+        routable = {v.id for v in self._pools.get(model, ())}
+        left_out: dict[str, str] = {}
+        more = 0  # beyond MAX_LISTED: counted, not listed (an explanation stays bounded on a big fleet)
+        for view in self.snapshot.views:
+            if model not in view.endpoint.models or view.id in routable:
+                continue
+            if len(left_out) >= MAX_LISTED:
+                more += 1
+            elif view.state is not EndpointState.SERVING:
+                left_out[view.id] = view.state.value
+            else:
+                reason = health.excluded_reason(view.id) if health is not None else None
+                left_out[view.id] = reason or "unhealthy"
+        report = {"routable": len(routable), "left_out": left_out,
+                  "panic": health is not None and model in health.panicking}
+        if more:
+            report["left_out_more"] = more
+        return report

@@ -15,19 +15,33 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
                                                /metrics, /healthz, /readyz, /admin/*; a set token guards
                                                all but the first three
   endpoints:                                   static discovery
-    - {id: gpu-0, url: http://10.0.0.5:8000, models: [llama-3-8b]}
+    - {id: gpu-0, url: http://10.0.0.5:8000, models: [llama-3-8b], weight: 1}
+                                               weight: relative capacity (H100 beside A100: ~1.8)
   discovery: {kubernetes: {service: vllm, port: http}}   or labelSelector; pods join the static endpoints
                                                (EndpointSlice watch; models, RBAC: docs/kubernetes.md)
   policies:                                    first policy whose models match a request's model wins;
     - name: chat                               others use the built-in "default" (adaptive, all defaults)
       models: ["*"]                            names or shell-style patterns
+      preset: realtime-chat                    optional: a tuned policy that the fields below adjust
+                                               (see presets)
       strategy: adaptive                       round-robin | least-connections | consistent-hash |
-                                               adaptive | prefix-aware
+                                               adaptive | prefix-aware | composite
       adaptive: {weights: {gpu: 0.6, memory: 0.3, queue: 0.1}, maxQueue: 32, choices: 2,
-                 signals: {gpu: gpu_util, memory: kv_cache_usage, queue: num_waiting}}
+                 signals: {gpu: gpu_util, memory: kv_cache_usage, queue: num_waiting}, loadUnit: requests,
+                 selection: least-load}        or best-score; choices: all scans every endpoint
+      leastConnections: {loadUnit: requests}   or tokens: in-flight load as predicted cost (see cost)
       consistentHash: {key: "header:x-session-id", maxLoadFactor: null}   or key: body:<field>
-      prefixAware: {blockChars: 256, maxBlocks: 64, maxBlocksPerEndpoint: 32768, maxImbalance: 8,
-                    maxInFlight: null}
+      prefixAware: {blockChars: 256, maxBlocks: 64, maxBlocksPerEndpoint: auto, maxImbalance: 8,
+                    maxInFlight: null, maxLoadFactor: null, sigmaK: null,
+                    sharing: {enabled: true, ttl: 10m, maxStreamEntries: 8192},
+                    tuning: {enabled: true, window: 30s, tolerance: 0.1}}
+                                               auto: sized from the engine's KV capacity; sharing
+                                               through Redis when configured; tuned against the
+                                               engine's prefix-cache hit rate
+      composite: {scorers: {gpu: 0.4, memory: {weight: 0.2, signal: kv_cache_usage}, queue: {weight: 0.1,
+                  maxQueue: 32}, load: 0.1, prefix: 0.2}, pick: least-load, choices: 2, loadUnit: requests,
+                  loadGuard: {maxInFlight, maxImbalance, maxLoadFactor, sigmaK}, prefix: {blockChars: 256, ...}}
+                                               your own mix: filter -> weighted scorers -> pick
       timeouts: {connect: 5s, firstByte: 300s, idle: 60s, total: null}
       retries: {attempts: 2, budgetPercent: 20, minRetriesPerSecond: 10}
                                                only before any byte reached the client: connect failures,
@@ -44,19 +58,38 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
       panicThreshold: 50                       below this % healthy, a pool routes to all its endpoints
       admission: {maxConcurrentPerEndpoint: null, maxQueue: 256, priorityHeader: x-priority,
                   classes: {high: {deadline: 30s}, normal: {deadline: 60s}, low: {deadline: 120s}},
-                  defaultClass: normal, agingSeconds: 10, shedStatus: 429, retryAfter: 1s}
+                  defaultClass: normal, agingSeconds: 10, shedStatus: 429, retryAfter: 1s,
+                  order: fifo}                 or shortest-expected-first (agingTokensPerSecond: 1000)
                                                off unless maxConcurrentPerEndpoint is set
+      cost: {prefillWeight: 0.2, charsPerToken: 4, priorOutputTokens: 256, sessionKey: "header:x-session-id",
+             fallbackKey: "body:user", maxSessions: 10000, window: 32}
+                                               request cost = prefillWeight * prompt + predicted output
+                                               tokens; on when present or used by loadUnit/order
   limits: {maxBodyBytes: 16777216, maxHeaderBytes: 8190}
   telemetry: {enabled: true, interval: 1s, staleAfter: 5s, timeout: 500ms, gpuSource: none}
   redis: {url: redis://redis:6379/0}           default $REDIS_URL; url: null turns Redis off. With Redis:
-                                               agents' telemetry, shared session pins and in-flight
-                                               counts. Without: the router scrapes engines itself
+                                               agents' telemetry, shared session pins, in-flight
+                                               counts and prefix indexes. Without: the router
+                                               scrapes engines itself
                                                (gpuSource: sim adds a simulator's /sim/gpu)
   logging: {level: info, accessLog: true}
   auth: {apiKeysFile: FILE, apiKeysEnv: VAR, upstreamApiKeyEnv: VAR}
-                                               client API keys; the key sent to the engines
+                                               client API keys ("KEY explain" may ask for routing
+                                               explanations); the key sent to the engines
+  explain: {sampleRate: 0, recent: 256, headerCandidates: 8}
+                                               routing decisions recorded and logged unasked (a share),
+                                               kept for /admin/decisions. Ask on one request with
+                                               x-fleetroute-explain: <admin token> (or 1 with an explain
+                                               key): the answer carries x-fleetroute-explanation
   workers: 1                                   processes sharing the ports (use one per core)
   shutdownGrace: 30s                           time for in-flight requests on SIGTERM
+
+presets (`preset: NAME` in a policy or a RoutingPolicy spec; --show-preset NAME prints one):
+{presets}
+  Fields written beside `preset` adjust it: mappings merge field by field (timeouts: {firstByte: 5s}
+  changes only that), any other value replaces the preset's (null included), admission.classes is
+  replaced whole, and a strategy written replaces the preset's (keeping the preset's block for it, if any).
+  --show-policies prints the config's policies with their presets expanded.
 
 environment:
   FLEETROUTE_CONFIG                            config path when --config is not given
@@ -70,6 +103,21 @@ See docs/configuration.md, docs/policies.md and docs/operations.md.
 """
 
 
+def _presets_help() -> str:
+    """One entry per preset, its summary wrapped in the help's right-hand column."""
+    import textwrap
+
+    from router import presets
+
+    width = max(len(name) for name in presets.names())
+    out = []
+    for preset in presets.PRESETS.values():
+        head = f"  {preset.name.ljust(width)}  "
+        out.append(textwrap.fill(preset.summary, 108, initial_indent=head, subsequent_indent=" " * len(head),
+                                 break_on_hyphens=False))
+    return "\n".join(out)
+
+
 def run_event_loop(coro: Coroutine[Any, Any, Any]) -> Any:
     """Run on uvloop where installed (faster sockets), the standard loop otherwise."""
     try:
@@ -79,12 +127,41 @@ def run_event_loop(coro: Coroutine[Any, Any, Any]) -> Any:
     return uvloop.run(coro)
 
 
+def _show_policies(path: str) -> str:
+    """The config file's `policies:` as YAML, each preset expanded into the entry the router parses."""
+    import yaml
+
+    from router.policies.registry import PolicyRegistry
+    from router.settings import expand_policy
+
+    with open(path, encoding="utf-8") as fh:
+        raw = yaml.safe_load(fh) or {}
+    registry = PolicyRegistry()
+    out = [f"# The policies of {path}, with their presets expanded (fleetroute router --show-policies).", "policies:"]
+    for i, entry in enumerate(raw.get("policies") or []):
+        expanded, preset = expand_policy(f"policies[{i}]", entry, registry)
+        if preset is not None:
+            first = {k: expanded[k] for k in ("name", "models") if k in expanded}  # the entry's identity first
+            expanded = {**first, **expanded}
+            out.append(f"  # policies[{i}]: preset {preset}, with the file's fields merged on top")
+        text = yaml.safe_dump([expanded], sort_keys=False, default_flow_style=False, width=120)
+        out.append("\n".join(f"  {line}" for line in text.rstrip().splitlines()))
+    return "\n".join(out) + "\n"
+
+
 def _router(args: argparse.Namespace) -> int:
     import os
 
     from router.logs import configure_logging
     from router.settings import ConfigError, load_settings
 
+    if args.show_preset is not None:
+        from router import presets
+
+        preset = presets.get(args.show_preset)
+        assert preset is not None  # argparse's choices
+        sys.stdout.write(preset.text)
+        return 0
     path = args.config or os.environ.get("FLEETROUTE_CONFIG")
     if not path:
         print("fleetroute router: error: --config is required (or set FLEETROUTE_CONFIG)", file=sys.stderr)
@@ -94,6 +171,9 @@ def _router(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"fleetroute router: config error: {exc}", file=sys.stderr)
         return 2
+    if args.show_policies:
+        sys.stdout.write(_show_policies(path))  # the file is valid: load_settings read it
+        return 0
     if args.workers is not None:
         from dataclasses import replace
 
@@ -121,20 +201,32 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fleetroute", description="Load balancer and router for GPU inference fleets."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from router import presets
+
     router = sub.add_parser(
         "router",
         help="run the OpenAI-compatible routing proxy",
         description="Run the OpenAI-compatible routing proxy.",
-        epilog=ROUTER_EPILOG,
+        epilog=ROUTER_EPILOG.replace("{presets}", _presets_help()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     router.add_argument("--config", "-c", metavar="FILE", help="router YAML configuration")
     router.add_argument(
         "--workers", type=int, metavar="N", help="processes sharing the ports (overrides `workers:`)"
     )
+    router.add_argument(
+        "--show-preset", metavar="NAME", choices=presets.names(),
+        help=f"print a scenario preset's policy, with the reason for each value, and exit "
+             f"({', '.join(presets.names())})",
+    )
+    router.add_argument(
+        "--show-policies", action="store_true",
+        help="validate the config, print its policies with their presets expanded, and exit",
+    )
     router.set_defaults(func=_router)
 
     # The CLI is the composition root: the one place where router and worker commands meet.
+    from loadtest.cli import add_parser as add_loadtest_parser
     from loadtest.demo import add_parser as add_demo_parser
     from worker.agent import add_parser as add_agent_parser
     from worker.sim.cli import add_parser as add_sim_parser
@@ -142,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_parser(sub)
     add_agent_parser(sub)
     add_demo_parser(sub)
+    add_loadtest_parser(sub)
     return parser
 
 

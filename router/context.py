@@ -19,9 +19,12 @@ from aiohttp import web
 from router.access_log import AccessLog
 from router.admission import Admission
 from router.balancer import Balancer
+from router.cost import CostModel
+from router.explain import DecisionLog
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
 from router.policies.registry import PolicyRegistry
+from router.prefix_upkeep import PrefixUpkeep
 from router.proxy import Proxy
 from router.retry_budget import RetryBudget
 from router.settings import Settings
@@ -41,6 +44,7 @@ class RouterContext:
     balancer: Balancer
     registry: PolicyRegistry
     admission: Admission  # priority queues of policies that cap endpoint concurrency
+    decisions: DecisionLog  # explained routing decisions: who may ask, the recent ones, their log lines
     clock: Callable[[], float] = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
     proxy: Proxy | None = None  # set once the upstream client session exists (app start-up)
@@ -48,11 +52,13 @@ class RouterContext:
     sticky: dict[str, StickyTable] = field(default_factory=dict)  # policy name -> session pins
     shared_loads: SharedLoads | None = None  # with Redis: in-flight counts exchanged with other replicas
     sticky_redis: Any = None  # the Redis client session pins use (None without Redis)
+    prefix_upkeep: PrefixUpkeep | None = None  # prefix-aware tuning and sharing (app start-up to shutdown)
     health_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # active probes per policy
     discovery: KubernetesDiscovery | None = None  # while Kubernetes discovery runs (app start-up to shutdown)
     control: RoutingPolicyController | None = None  # while RoutingPolicies are watched (router.control)
     retry_budget: RetryBudget = field(init=False)
     access_log: AccessLog = field(default_factory=AccessLog)
+    cost: CostModel = field(default_factory=CostModel)  # output-length predictors (policies with estimates)
     # Set (and replaced) after each telemetry round has been applied: lets tests and tools wait for fresh
     # telemetry instead of sleeping.
     telemetry_round: asyncio.Event = field(default_factory=asyncio.Event)

@@ -1,8 +1,9 @@
 """HTTP handlers: the OpenAI-compatible ingress (`/v1/*`) and the admin surface (`/metrics`, probes,
 `/admin/*`).
 
-One inference request: check the size, parse the JSON, check the model, pick an endpoint through the
-model's policy, forward and stream (`proxy`), then count and log it. A connection failure (the request
+One inference request: check the size, parse the JSON, check the model, estimate its cost when the
+model's policy does (router/cost.py), pick an endpoint through the policy, forward and stream (`proxy`),
+then count and log it, and teach the cost model the answer's output tokens. A connection failure (the request
 never left) is retried on another endpoint, up to the policy's `retries.attempts`. Every error the
 router produces itself is in the OpenAI shape (`errors`), and every unexpected exception becomes a 500 in
 that shape plus a log line, never a stack trace to the client.
@@ -14,15 +15,21 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
 
+from router.admission import AdmissionSettings
 from router.context import CONTEXT, RouterContext
+from router.cost import CostEstimate, CostSettings, relative_error
 from router.errors import error_response
+from router.explain import Attempt, Decision
 from router.model import EndpointState, EndpointView, RequestInfo
+from router.output_tokens import OutputCounter
+from router.policies.base import MAX_LISTED, DecisionTrace
+from router.policies.consistent_hash import load_bound
 from router.proxy import Outcome, UpstreamFailed
 from router.sticky import StickyTable
 
@@ -48,6 +55,9 @@ class Served:
     outcome: Outcome | None = None  # set once an endpoint answered
     attempts: int = 0
     failure: BaseException | None = None  # what interrupted the handler, if anything
+    estimate: CostEstimate | None = None  # policies that estimate request costs (router/cost.py)
+    cost_settings: CostSettings | None = None
+    decision: Decision | None = None  # an explained request's routing record (router/explain.py)
 
     @property
     def status(self) -> int:
@@ -70,6 +80,9 @@ async def inference(request: web.Request) -> web.StreamResponse:
     try:
         await _serve(request, ctx, request_id, started, served)
         assert served.response is not None
+        decision = served.decision
+        if decision is not None and decision.requested and not served.response.prepared:
+            served.response.headers.update(decision.headers())  # the router's own answer (shed, no endpoint...)
         return served.response
     except BaseException as exc:
         served.failure = exc
@@ -88,23 +101,67 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
         metrics.child(metrics.request_duration, served.model, endpoint).observe(duration)
         if outcome is not None and outcome.ttfb is not None:
             metrics.child(metrics.time_to_first_byte, served.model, endpoint).observe(outcome.ttfb)
+    learned = _learn_cost(ctx, served, status) if served.estimate is not None else None
+    if served.decision is not None:
+        ctx.decisions.finish(served.decision, status, duration)
     if ctx.settings.access_log:
-        ctx.access_log.write(
-            {
-                "request_id": request_id,
-                "method": request.method,
-                "path": request.path,
-                "model": served.requested_model,
-                "endpoint": endpoint,
-                "status": status,
-                "attempts": served.attempts,
-                "ttfb_ms": round(outcome.ttfb * 1000, 3) if outcome and outcome.ttfb is not None else None,
-                "duration_ms": round(duration * 1000, 3),
-                "upstream_error": outcome.error if outcome else None,
-                "failure": type(served.failure).__name__ if served.failure else None,
-                "client": request.remote,
-            }
-        )
+        fields = {
+            "request_id": request_id,
+            "method": request.method,
+            "path": request.path,
+            "model": served.requested_model,
+            "endpoint": endpoint,
+            "status": status,
+            "attempts": served.attempts,
+            "ttfb_ms": round(outcome.ttfb * 1000, 3) if outcome and outcome.ttfb is not None else None,
+            "duration_ms": round(duration * 1000, 3),
+            "upstream_error": outcome.error if outcome else None,
+            "failure": type(served.failure).__name__ if served.failure else None,
+            "client": request.remote,
+        }
+        if served.decision is not None:
+            fields["decision_id"] = served.decision.id  # the routing record: /admin/decisions/{id}
+        if served.estimate is not None:
+            cost = served.estimate.cost
+            fields["prompt_tokens_estimate"] = cost.prompt_tokens
+            fields["predicted_output_tokens"] = round(cost.output_tokens, 1)
+            fields["cost_tokens"] = round(cost.total, 1)
+            if learned is not None:
+                fields["output_tokens"], fields["output_tokens_source"] = learned
+        ctx.access_log.write(fields)
+
+
+def _learn_cost(ctx: RouterContext, served: Served, status: int) -> tuple[int | None, str] | None:
+    """Teach the predictor a request's actual output tokens and report its error; returns (tokens, outcome)
+    for the access log, or None for requests without output (embeddings) or never sent to an endpoint."""
+    estimate = served.estimate
+    assert estimate is not None and served.cost_settings is not None
+    if not estimate.learns:
+        return None
+    if not served.attempts:  # never sent (shed, no endpoint): nothing to learn, nothing to report
+        return None
+    metrics = ctx.metrics
+    model = served.model
+    outcome = served.outcome
+    count = outcome.output if outcome is not None else None
+    if count is None or status != 200:
+        metrics.child(metrics.cost_outcomes, model, "incomplete").inc()
+        return None, "incomplete"
+    actual, source = ctx.cost.observed_output(model, count)
+    metrics.child(metrics.cost_outcomes, model, source).inc()
+    if actual is None:
+        return None, source
+    ctx.cost.learn(estimate, actual, count.prompt_tokens, served.cost_settings)
+    predicted = estimate.cost.output_tokens
+    metrics.child(metrics.cost_abs_error, model).observe(abs(predicted - actual))
+    metrics.child(metrics.cost_relative_error, model).observe(relative_error(predicted, actual))
+    metrics.child(metrics.cost_predicted_tokens, model).inc(predicted)
+    metrics.child(metrics.cost_actual_tokens, model).inc(actual)
+    predictor = ctx.cost.predictor(model)
+    metrics.child(metrics.cost_sessions, model).set(len(predictor.sessions))
+    if predictor.chars_per_token is not None:
+        metrics.child(metrics.cost_chars_per_token, model).set(predictor.chars_per_token)
+    return actual, source
 
 
 async def _serve(request: web.Request, ctx: RouterContext, request_id: str, started: float, served: Served) -> None:
@@ -142,13 +199,27 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     served.model = model
     info = RequestInfo(model=model, request_id=request_id, headers=request.headers, body=payload)
     spec = balancer.policy_for(model)
+    # None unless this request is explained (asked for by someone allowed to, or sampled): router/explain.py.
+    decision = served.decision = ctx.decisions.begin(request.headers, request_id, model, spec.name, spec.strategy)
+    cost = 0.0
+    if spec.cost is not None:  # the policy estimates request costs (router/cost.py): microseconds
+        estimate = served.estimate = ctx.cost.estimate(info, request.path, spec.cost)
+        served.cost_settings = spec.cost
+        cost = estimate.cost.total
+        info = RequestInfo(model=model, request_id=request_id, headers=request.headers, body=payload,
+                           cost=estimate.cost)
     pin = await _session_pin(ctx, spec.name, info)
     # Admission (router/admission.py): None unless the policy caps endpoint concurrency. No await may come
     # between `admit` and the forward below, which is what marks the admitted request in flight.
     admission = ctx.admission.pool(spec, model)
-    if admission is not None and (shed := await admission.admit(request_id, request.headers)) is not None:
-        served.response = shed
-        return
+    if admission is not None:
+        queued_at = ctx.clock() if decision is not None else 0.0
+        shed = await admission.admit(request_id, request.headers, cost)
+        if decision is not None:
+            explain_admission(decision, admission.settings, request.headers, ctx.clock() - queued_at, shed)
+        if shed is not None:
+            served.response = shed
+            return
     tried: frozenset[str] = frozenset()  # endpoints that failed this request
     denied: frozenset[str] = frozenset()  # endpoints whose half-open breaker had no probe slot free
     failure: UpstreamFailed | None = None
@@ -157,22 +228,33 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     total = spec.timeouts.total
     deadline = asyncio.get_running_loop().time() - (time.perf_counter() - started) + total if total else None
     loop = asyncio.get_running_loop()
+    attempt: Attempt | None = None
     while len(tried) < retries.attempts:
-        view = _choose(ctx, info, tried | denied if admission is None else admission.exclude(tried | denied), pin)
+        excluded = tried | denied if admission is None else admission.exclude(tried | denied)
+        trace = DecisionTrace() if decision is not None else None
+        view = _choose(ctx, info, excluded, pin, trace)
+        if decision is not None:
+            attempt = explain_attempt(ctx, decision, model, view, trace, tried, denied, excluded, pin)
         if view is None:
             break
         allowed, probe = balancer.acquire(spec, view.id)
         if not allowed:
             denied |= {view.id}
+            if attempt is not None:
+                attempt.outcome = "no_probe_slot"  # its breaker is half-open and every probe slot is taken
             continue
         reported = False  # a half-open probe slot must be given back whatever happens to the attempt
         try:
             if not tried:
                 ctx.retry_budget.request_started()
             elif deadline is not None and loop.time() > deadline - MIN_ATTEMPT_SECONDS:
+                if attempt is not None:
+                    attempt.outcome = "not_sent_deadline"
                 break  # no time left for another attempt: answer with the last failure
             elif not ctx.retry_budget.try_spend(retries.budget_percent, retries.min_per_second):
                 ctx.metrics.retry_budget_exhausted.labels(model).inc()
+                if attempt is not None:
+                    attempt.outcome = "not_sent_retry_budget"
                 break
             else:
                 ctx.metrics.retries.labels(model).inc()
@@ -187,18 +269,28 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
             if retryable and not ctx.retry_budget.allows(retries.budget_percent, retries.min_per_second):
                 retryable = False  # a failure of this attempt will be answered, not retried
                 ctx.metrics.retry_budget_exhausted.labels(model).inc()
+            explanation = None
+            if attempt is not None:
+                attempt.outcome = "sent"
+                if decision is not None and decision.requested:
+                    explanation = decision.headers()  # on the response before its first byte, streamed or not
             try:
+                counter = OutputCounter() if served.estimate is not None and served.estimate.learns else None
                 served.outcome = await ctx.proxy.forward(
                     request, view, body, request_id=request_id, timeouts=spec.timeouts, started=started,
-                    retryable=retryable, deadline=deadline,
+                    retryable=retryable, deadline=deadline, cost=cost, counter=counter, extra_headers=explanation,
                 )
             except UpstreamFailed as exc:
                 balancer.report_outcome(spec, model, view.id, False, exc.kind, probe=probe)
                 reported = True
                 tried |= {view.id}
                 failure = exc
+                if attempt is not None:
+                    attempt.outcome, attempt.error = exc.kind, str(exc)
                 continue
             outcome = served.outcome
+            if attempt is not None:
+                attempt.outcome, attempt.status = outcome.error or "answered", outcome.status
             if outcome.error != "client_disconnect":  # the client leaving says nothing about the endpoint
                 failed = outcome.status >= 500 or outcome.error in FAILURE_KINDS
                 balancer.report_outcome(spec, model, view.id, not failed, outcome.error or "http_5xx", probe=probe)
@@ -253,23 +345,69 @@ async def _session_pin(ctx: RouterContext, policy: str, info: RequestInfo) -> _P
     return _Pin(table, session, await table.lookup(session))
 
 
-def _choose(ctx: RouterContext, info: RequestInfo, tried: frozenset[str], pin: _Pin | None) -> EndpointView | None:
+def _choose(ctx: RouterContext, info: RequestInfo, tried: frozenset[str], pin: _Pin | None,
+            trace: DecisionTrace | None = None) -> EndpointView | None:
     """The session's pinned endpoint while it may take the request, else the policy's pick (re-pinned)."""
     if pin is not None and pin.pinned is not None and pin.pinned not in tried:
         view, outcome = ctx.balancer.sticky_candidate(info.model, pin.pinned, pin.table.settings.max_load_factor)
         if pin.outcome is None:
             pin.outcome = outcome
             ctx.metrics.sticky_decisions.labels(pin.table.policy, outcome).inc()
+        if trace is not None:
+            explain_pin(ctx, info.model, pin.pinned, outcome, pin.table.settings.max_load_factor, trace)
         if view is not None:
             pin.table.pin(pin.session, view.id)
+            ctx.balancer.observe(info, view)
+            if trace is not None:
+                trace.reason = "sticky_hit"  # the policy was not asked: the session keeps its endpoint
+                ctx.balancer.annotate(info.model, trace, tried)
             return view
-    view = ctx.balancer.pick(info, tried)
+    view = ctx.balancer.pick(info, tried) if trace is None else ctx.balancer.pick(info, tried, trace)
     if pin is not None and view is not None:
         if pin.outcome is None:
             pin.outcome = "new"
             ctx.metrics.sticky_decisions.labels(pin.table.policy, "new").inc()
         pin.table.pin(pin.session, view.id)
     return view
+
+
+# ---- explanations: only for requests that are explained (router/explain.py) ------------------------------
+
+
+def explain_pin(ctx: RouterContext, model: str, pinned: str, outcome: str, factor: float,
+                trace: DecisionTrace) -> None:
+    """The pinned endpoint's side of the sticky check: its load and the bound it was held to."""
+    pool = ctx.balancer.candidates(model)
+    if any(v.id == pinned for v in pool):
+        trace.note(pinned, sticky=outcome, cluster_in_flight=ctx.loads.cluster_in_flight(pinned),
+                   sticky_bound=load_bound(pool, ctx.loads, factor))
+    trace.detail["sticky"] = {"pinned": pinned, "outcome": outcome}
+
+
+def explain_admission(decision: Decision, settings: AdmissionSettings, headers: Mapping[str, str], waited: float,
+                      shed: web.Response | None) -> None:
+    decision.admission = {"class": settings.classify(headers.get(settings.priority_header)).name,
+                          "queued_ms": round(waited * 1000, 3)}
+    if shed is not None:
+        try:
+            decision.admission["shed"] = orjson.loads(shed.body)["error"]["code"]  # type: ignore[arg-type]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            decision.admission["shed"] = True
+
+
+def explain_attempt(ctx: RouterContext, decision: Decision, model: str, view: EndpointView | None,
+                    trace: DecisionTrace | None, tried: frozenset[str], denied: frozenset[str],
+                    excluded: frozenset[str], pin: _Pin | None) -> Attempt:
+    """Record one pick: why each excluded endpoint was out of this attempt, the pool, and stickiness."""
+    reasons = {}
+    for endpoint_id in sorted(excluded)[:MAX_LISTED]:  # bounded: a retry storm on a big fleet stays small
+        reasons[endpoint_id] = ("failed_attempt" if endpoint_id in tried else
+                                "no_probe_slot" if endpoint_id in denied else "at_capacity")
+    if len(excluded) > MAX_LISTED:
+        reasons["(more)"] = f"{len(excluded) - MAX_LISTED} more"
+    if pin is not None:
+        decision.stickiness = {"session": True, "pinned": pin.pinned, "outcome": pin.outcome}
+    return decision.add(Attempt(view.id if view is not None else None, trace, reasons, ctx.balancer.pool_report(model)))
 
 
 def _too_large(ctx: RouterContext, limit: int) -> web.Response:
@@ -340,6 +478,7 @@ async def list_endpoints(request: web.Request) -> web.Response:
                 "models": list(view.endpoint.models),
                 "state": view.state.value,
                 "in_flight": ctx.loads.in_flight(view.id),
+                "in_flight_cost_tokens": round(ctx.loads.in_flight_cost(view.id), 1),
                 "health": ctx.balancer.health_report(view.id),
                 "telemetry": None if t is None else {
                     "source": t.source,
@@ -353,6 +492,47 @@ async def list_endpoints(request: web.Request) -> web.Response:
             }
         )
     return web.json_response({"endpoints": out, "snapshot_version": ctx.balancer.snapshot.version})
+
+
+DECISION_FILTERS = ("model", "endpoint", "policy", "reason")
+DEFAULT_DECISIONS = 20
+
+
+async def list_decisions(request: web.Request) -> web.Response:
+    """Recent explained routing decisions, newest first: `?model=`, `?endpoint=` (any attempt's),
+    `?policy=`, `?reason=` (the serving attempt's) and `?limit=` (default 20, at most `explain.recent`)."""
+    ctx = request.app[CONTEXT]
+    query = request.query
+    unknown = sorted(set(query) - {*DECISION_FILTERS, "limit"})
+    if unknown:
+        expected = ", ".join((*DECISION_FILTERS, "limit"))
+        return error_response(400, f"unknown query parameter {unknown[0][:40]!r} (expected one of: {expected})",
+                              code="invalid_query", param=unknown[0][:40])
+    kept = ctx.decisions.settings.recent
+    raw = query.get("limit", str(DEFAULT_DECISIONS))
+    digits = raw.lstrip("0")
+    if not (raw.isascii() and raw.isdigit()) or not digits:
+        return error_response(400, f"limit must be a positive integer, got {raw[:40]!r}", code="invalid_query",
+                              param="limit")
+    # More than 9 digits is more than any ring holds (and int() of thousands of digits is slow or refused).
+    limit = min(int(digits) if len(digits) <= 9 else kept, max(kept, 1))
+    filters = {name: query.get(name) or None for name in DECISION_FILTERS}
+    found = ctx.decisions.recent(limit=limit, **filters)
+    body = {"decisions": [d.to_dict() for d in found], "kept": len(ctx.decisions), "recent": kept,
+            "sample_rate": ctx.decisions.settings.sample_rate}
+    return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
+
+
+async def get_decision(request: web.Request) -> web.Response:
+    """One decision's full record, by the id in its response's `x-fleetroute-decision-id`."""
+    ctx = request.app[CONTEXT]
+    decision_id = request.match_info["id"]
+    decision = ctx.decisions.find(decision_id)
+    if decision is None:
+        return error_response(404, f"no recent decision {decision_id[:64]!r} (only the newest "
+                                   f"{ctx.decisions.settings.recent} are kept, per router process)",
+                              code="decision_not_found")
+    return web.json_response(decision.to_dict(), dumps=lambda o: orjson.dumps(o).decode())
 
 
 def _set_state(state: EndpointState) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -379,3 +559,5 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/endpoints", list_endpoints)
     app.router.add_post("/admin/endpoints/{id}/drain", _set_state(EndpointState.DRAINING))
     app.router.add_post("/admin/endpoints/{id}/resume", _set_state(EndpointState.SERVING))
+    app.router.add_get("/admin/decisions", list_decisions)
+    app.router.add_get("/admin/decisions/{id}", get_decision)

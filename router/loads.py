@@ -1,8 +1,13 @@
-"""Router-local live load: requests in flight per endpoint.
+"""Router-local live load: requests in flight per endpoint, and their predicted cost in tokens.
 
 A request counts from the moment it is sent until its response *body* ends (or fails), not when the
 headers arrive: a streaming completion is load on the engine until its last token (tower's
 `TrackCompletion`). Only the event loop touches these counts, so they need no lock.
+
+A request with a cost estimate (router/cost.py; only for policies that make them) also adds its predicted
+cost to its endpoint's in-flight cost for as long as it counts, and to a running mean of request costs that
+turns tokens back into request-equivalents (`loadUnit: tokens` in the adaptive policy). Requests without an
+estimate add nothing there, and with no estimates anywhere this costs one comparison per request.
 """
 
 from __future__ import annotations
@@ -14,12 +19,20 @@ from typing import Any
 
 from router.metrics import RouterMetrics
 
+# The mean request cost is exact over the first requests, then an EWMA over about this many.
+MEAN_COST_WINDOW = 256
+
 
 class LoadTracker:
     def __init__(self, metrics: RouterMetrics) -> None:
         self._counts: defaultdict[str, int] = defaultdict(int)
         self._gauge = metrics.in_flight
         self._children: dict[str, Any] = {}
+        self._costs: defaultdict[str, float] = defaultdict(float)
+        self._cost_gauge = metrics.in_flight_cost
+        self._cost_children: dict[str, Any] = {}
+        self._mean_cost = 0.0
+        self._costed = 0
         # Other router replicas' in-flight counts, as last read from shared state (empty without Redis).
         self.others: dict[str, int] = {}
         # Called with the endpoint id whenever a request's in-flight ends (admission hands the slot on).
@@ -31,6 +44,12 @@ class LoadTracker:
     def cluster_in_flight(self, endpoint_id: str) -> int:
         return self._counts.get(endpoint_id, 0) + self.others.get(endpoint_id, 0)
 
+    def in_flight_cost(self, endpoint_id: str) -> float:
+        return self._costs.get(endpoint_id, 0.0)
+
+    def mean_request_cost(self) -> float:
+        return self._mean_cost
+
     def snapshot(self) -> dict[str, int]:
         return {k: v for k, v in self._counts.items() if v}
 
@@ -38,16 +57,31 @@ class LoadTracker:
         return sum(self._counts.values())
 
     @contextmanager
-    def track(self, endpoint_id: str) -> Iterator[None]:
+    def track(self, endpoint_id: str, cost: float = 0.0) -> Iterator[None]:
         self._counts[endpoint_id] += 1
         gauge = self._children.get(endpoint_id)
         if gauge is None:  # labels() costs microseconds: resolve each endpoint's child once
             gauge = self._children[endpoint_id] = self._gauge.labels(endpoint_id)
         gauge.inc()
+        if cost > 0.0:
+            self._add_cost(endpoint_id, cost)
+            n = self._costed = min(self._costed + 1, MEAN_COST_WINDOW)
+            self._mean_cost += (cost - self._mean_cost) / n
         try:
             yield
         finally:
-            self._counts[endpoint_id] -= 1
+            left = self._counts[endpoint_id] = self._counts[endpoint_id] - 1
             gauge.dec()
+            if cost > 0.0:
+                self._add_cost(endpoint_id, -cost, idle=left == 0)
             if self.on_release is not None:
                 self.on_release(endpoint_id)
+
+    def _add_cost(self, endpoint_id: str, cost: float, *, idle: bool = False) -> None:
+        gauge = self._cost_children.get(endpoint_id)
+        if gauge is None:
+            gauge = self._cost_children[endpoint_id] = self._cost_gauge.labels(endpoint_id)
+        # An idle endpoint holds exactly nothing: no float residue from adding and removing costs.
+        total = 0.0 if idle else max(0.0, self._costs[endpoint_id] + cost)
+        self._costs[endpoint_id] = total
+        gauge.set(total)

@@ -9,6 +9,7 @@ they are merged across processes.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -18,6 +19,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )
+# Output-length prediction errors: a few tokens (a good session estimate) to tens of thousands (a runaway).
+TOKEN_ERROR_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+RELATIVE_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 
 
 class RouterMetrics:
@@ -53,10 +57,36 @@ class RouterMetrics:
             multiprocess_mode="livesum",
             registry=r,
         )
+        self.in_flight_cost = Gauge(
+            "fleetroute_endpoint_in_flight_cost_tokens",
+            "Predicted cost in tokens (prefillWeight * prompt + predicted output) of the requests this router has "
+            "in flight at an endpoint; only requests of policies that estimate costs count.",
+            ["endpoint"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
         self.decisions = Counter(
             "fleetroute_policy_decisions",
             "Endpoints chosen by routing policies, by policy name, strategy and endpoint.",
             ["policy", "strategy", "endpoint"],
+            registry=r,
+        )
+        self.explain_requests = Counter(
+            "fleetroute_explain_requests",
+            "Requests carrying x-fleetroute-explain, by outcome: explained (the sender may ask: admin token or an "
+            "API key marked explain) or denied (served normally, without an explanation).",
+            ["outcome"],
+            registry=r,
+        )
+        self.decisions_sampled = Counter(
+            "fleetroute_decisions_sampled",
+            "Routing decisions recorded and logged because explain.sampleRate drew them.",
+            registry=r,
+        )
+        self.decisions_kept = Gauge(
+            "fleetroute_decisions_kept",
+            "Recent routing decisions held for /admin/decisions (at most explain.recent per process).",
+            multiprocess_mode="livesum",
             registry=r,
         )
         self.policy_events = Counter(
@@ -64,8 +94,9 @@ class RouterMetrics:
             "Noteworthy policy decisions: hash_key_missing (consistent-hash fell back to least-connections), "
             "telemetry_unknown (adaptive picked an endpoint without fresh telemetry), load_bound_overflow "
             "(a key walked the ring past an endpoint at its load bound), prefix_hit / prefix_miss (prefix-aware "
-            "found / found no endpoint holding the prompt's leading blocks), load_guard (prefix-aware left the "
-            "best prefix match because it was too loaded).",
+            "found / found no endpoint holding the prompt's leading blocks), load_guard_in_flight / "
+            "load_guard_imbalance / load_guard_load_factor / load_guard_sigma (prefix-aware left the best prefix "
+            "match because it tripped that load guard: maxInFlight, maxImbalance, maxLoadFactor, sigmaK).",
             ["policy", "event"],
             registry=r,
         )
@@ -231,6 +262,15 @@ class RouterMetrics:
             ["result"],
             registry=r,
         )
+        self.policy_info = Gauge(
+            "fleetroute_policy_info",
+            "1 for each routing policy in effect (file or RoutingPolicy), with its strategy and the scenario preset "
+            "it builds on (empty: none); 0 for a policy replaced or removed since the process started.",
+            ["policy", "strategy", "preset"],
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self._policy_info: set[tuple[str, str, str]] = set()
         self.rebuilds = Counter(
             "fleetroute_snapshot_rebuilds",
             "Routing snapshots (and pickers) rebuilt after endpoint, state or telemetry changes.",
@@ -265,6 +305,60 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # Request cost prediction (router/cost.py): only policies that estimate costs.
+        self.cost_outcomes = Counter(
+            "fleetroute_cost_outcomes",
+            "Requests with a cost estimate sent to an endpoint, by what the answer taught the output-length "
+            "predictor: usage (the engine's usage.completion_tokens), stream (counted stream events), stream_text "
+            "(a stream whose steps vLLM merged: its text bytes over learned bytes per token), unknown (a complete "
+            "response without any: not learned), incomplete (cut short, failed or not a 200: not learned).",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.cost_abs_error = Histogram(
+            "fleetroute_cost_output_tokens_abs_error",
+            "Absolute error of the predicted output tokens of requests that completed, in tokens "
+            "(|predicted - actual|, all choices).",
+            ["model"],
+            buckets=TOKEN_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.cost_relative_error = Histogram(
+            "fleetroute_cost_output_tokens_relative_error",
+            "Relative error of the predicted output tokens of requests that completed: |predicted - actual| / "
+            "max(actual, 1).",
+            ["model"],
+            buckets=RELATIVE_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.cost_predicted_tokens = Counter(
+            "fleetroute_cost_predicted_output_tokens",
+            "Predicted output tokens of the requests counted in fleetroute_cost_actual_output_tokens_total; the "
+            "ratio of the two is the predictor's bias.",
+            ["model"],
+            registry=r,
+        )
+        self.cost_actual_tokens = Counter(
+            "fleetroute_cost_actual_output_tokens",
+            "Actual output tokens of completed requests with a cost estimate (what the predictor learned).",
+            ["model"],
+            registry=r,
+        )
+        self.cost_sessions = Gauge(
+            "fleetroute_cost_predictor_sessions",
+            "Sessions whose output lengths the predictor keeps (bounded by cost.maxSessions per model).",
+            ["model"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.cost_chars_per_token = Gauge(
+            "fleetroute_cost_chars_per_token",
+            "Characters per prompt token, as calibrated from the engines' usage.prompt_tokens (the prompt "
+            "estimate's divisor; cost.charsPerToken until a response reports its prompt tokens).",
+            ["model"],
+            multiprocess_mode="max",
+            registry=r,
+        )
         # Endpoint discovery (router/discovery/): the source is `kubernetes` (EndpointSlice watch).
         self.discovery_up = Gauge(
             "fleetroute_discovery_up",
@@ -295,6 +389,57 @@ class RouterMetrics:
             registry=r,
         )
 
+        # The prefix-aware index (router/policies/prefix_index.py), its tuning and its sharing through Redis.
+        self.prefix_index_blocks = Gauge(
+            "fleetroute_prefix_index_blocks",
+            "Prompt blocks the prefix-aware index holds per endpoint (routed by this router or shared by others).",
+            ["policy", "model", "endpoint"],
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.prefix_index_bound = Gauge(
+            "fleetroute_prefix_index_bound_blocks",
+            "The prefix index's LRU bound per endpoint: maxBlocksPerEndpoint (auto: the engine's KV capacity in "
+            "router blocks) times the tuner's factor.",
+            ["policy", "model", "endpoint"],
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.prefix_hit_rate = Gauge(
+            "fleetroute_prefix_cache_hit_rate",
+            "Prefix-cache hit rate per endpoint over the last tuning window, by source: estimated (the share of "
+            "routed prompt text the index said was cached) and engine (the engine's own token counters).",
+            ["policy", "model", "endpoint", "source"],
+            multiprocess_mode="mostrecent",
+            registry=r,
+        )
+        self.prefix_bound_changes = Counter(
+            "fleetroute_prefix_index_bound_changes",
+            "Changes of an endpoint's prefix-index bound, by reason: kv_capacity (the engine reported its KV "
+            "capacity), shrink (the index claimed more hits than the engine delivered), grow (they agreed again).",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.prefix_shared_blocks = Counter(
+            "fleetroute_prefix_shared_blocks",
+            "Prefix blocks exchanged with other router replicas through Redis, by outcome: published, received, "
+            "expired (older than the sharing TTL when read), ignored (an endpoint this router does not know), "
+            "dropped (not queued: the outbox was full).",
+            ["outcome"],
+            registry=r,
+        )
+        self.prefix_sharing_up = Gauge(
+            "fleetroute_prefix_sharing_up",
+            "1 if the last exchange of prefix blocks through Redis succeeded, else 0 (the index is then local).",
+            multiprocess_mode="min",
+            registry=r,
+        )
+        self.prefix_sharing_errors = Counter(
+            "fleetroute_prefix_sharing_errors",
+            "Failed exchanges of prefix blocks through Redis (retried with backoff; routing goes on locally).",
+            registry=r,
+        )
+
     def child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, cached: labels() costs microseconds, and the request path calls it for
         every request. Label values here are bounded (served models, endpoints, statuses)."""
@@ -303,6 +448,17 @@ class RouterMetrics:
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def set_policies(self, policies: Iterable[Any]) -> None:
+        """Publish the policies in effect (PolicySpecs) in `fleetroute_policy_info`: 1 each, 0 for those gone.
+        A series set to 0 rather than removed: in multi-process mode a removed series would linger in the
+        files with its last value, 1."""
+        current = {(p.name, p.strategy, p.preset or "") for p in policies}
+        for labels in self._policy_info - current:
+            self.policy_info.labels(*labels).set(0)
+        for labels in current:
+            self.policy_info.labels(*labels).set(1)
+        self._policy_info = current
 
     def forget_endpoint(self, endpoint_id: str) -> None:
         """Drop cached children of an endpoint that left (its series stay until the process restarts)."""

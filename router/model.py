@@ -23,6 +23,9 @@ class Endpoint:
     id: str
     url: str
     models: tuple[str, ...]
+    # Relative capacity, from the operator (an H100 beside A100s: about 1.8, their decode throughput ratio).
+    # Load-aware picks compare load per unit of weight; 1 everywhere changes nothing.
+    weight: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,12 @@ class Telemetry:
     kv_cache_usage: float | None = None  # the engine's KV-cache blocks in use
     num_waiting: float | None = None  # the engine's queue
     num_running: float | None = None  # the engine's running batch
+    # The engine's prefix cache (vLLM automatic prefix caching), in tokens: the hit rate over the reporter's
+    # last interval, and the cumulative counters it comes from (for rates over longer windows).
+    prefix_cache_hit_rate: float | None = None
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+    kv_capacity_tokens: int | None = None  # tokens the engine's KV cache holds (vllm:cache_config_info)
     # GPU health from NVML (via the agent): cumulative XID / uncorrectable ECC counts, clocks-event reasons.
     gpu_lost: bool = False
     gpu_xid_errors: int | None = None
@@ -105,10 +114,24 @@ class Snapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestCost:
+    """A request's expected cost, estimated before it is routed (router/cost.py explains the model).
+
+    `total` is its load in tokens: `prefill_weight * prompt_tokens + output_tokens`.
+    """
+
+    prompt_tokens: int  # estimated from the prompt's text (exact for token-id prompts)
+    output_tokens: float  # predicted, all choices together, never above the request's max_tokens
+    total: float
+
+
+@dataclass(frozen=True, slots=True)
 class RequestInfo:
-    """What a policy may know about one request. `headers` keys are lower-case."""
+    """What a policy may know about one request. `headers` keys are lower-case. `cost` is set only for
+    policies that estimate request costs (a `cost:` block, `loadUnit: tokens`, or cost-ordered admission)."""
 
     model: str
     request_id: str
     headers: Mapping[str, str]
     body: Mapping[str, Any]
+    cost: RequestCost | None = None

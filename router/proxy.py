@@ -4,7 +4,10 @@
   the client at once, so SSE tokens reach the client when the engine emits them.
 - Hop-by-hop headers (RFC 9110 section 7.6.1, plus any named in `Connection`) are not forwarded in either
   direction; `Host` and `Content-Length` are set for the new hop. Compressed bodies pass through as bytes.
-- The request counts as in flight at its endpoint until the body ends (`LoadTracker.track`).
+- The request counts as in flight at its endpoint until the body ends (`LoadTracker.track`), with its
+  predicted cost in tokens when it has one.
+- With an `OutputCounter` (requests with a cost estimate), every chunk is also shown to it, unchanged, so
+  the answer's output tokens are known at the end (router/output_tokens.py).
 - Timeouts: `connect`; `firstByte` until the response headers; `idle` between two body chunks.
 - If the client goes away mid-stream (aiohttp cancels the handler, or a write fails), the upstream
   connection is closed, which makes vLLM abort the request and free its batch slot and KV cache.
@@ -15,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -24,9 +27,11 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.errors import error_response
+from router.explain import EXPLAIN_HEADER
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
 from router.model import EndpointView
+from router.output_tokens import OutputCount, OutputCounter
 from router.settings import Timeouts
 
 log = logging.getLogger("fleetroute.proxy")
@@ -39,8 +44,9 @@ HOP_BY_HOP = frozenset(
     )
 )
 # Set again for the next hop by aiohttp itself. Content-Encoding too: aiohttp's server has already decoded a
-# compressed request body, and the decoded bytes are what is forwarded.
-_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding"}
+# compressed request body, and the decoded bytes are what is forwarded. The explain header is the router's
+# own (and its value may be the admin token): it never reaches an engine, whoever sent it.
+_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding", EXPLAIN_HEADER}
 _NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length"}
 ENDPOINT_HEADER = "x-fleetroute-endpoint"
 
@@ -65,6 +71,7 @@ class Outcome:
     status: int
     ttfb: float | None = None  # seconds from request start to the first body byte
     error: str | None = None  # upstream error kind, for metrics and the access log
+    output: OutputCount | None = None  # with an OutputCounter: what the complete answer held
 
 
 def _strip(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -114,19 +121,24 @@ class Proxy:
         started: float,
         retryable: bool = False,
         deadline: float | None = None,
+        cost: float = 0.0,
+        counter: OutputCounter | None = None,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> Outcome:
         """Send `body` to `view` and stream the answer to the client.
 
         Raises UpstreamUnreachable when no connection could be made, and, when `retryable`, UpstreamFailed
         for a first-byte timeout or a 5xx answer (nothing has reached the client yet). Every other failure
-        becomes an `Outcome` with the right status. `deadline` (loop time) caps the whole request.
+        becomes an `Outcome` with the right status. `deadline` (loop time) caps the whole request. `cost` is
+        the request's predicted cost in tokens (load while it is in flight); `counter` sees every chunk.
+        `extra_headers` go on the streamed response, before its first byte (a routing explanation).
         """
         loop = asyncio.get_running_loop()
         endpoint_id = view.id
         url = view.endpoint.url + request.path_qs
         errors = self._metrics.upstream_errors
         header_wait = timeouts.first_byte if deadline is None else min(timeouts.first_byte, deadline - loop.time())
-        with self._loads.track(endpoint_id):
+        with self._loads.track(endpoint_id, cost):
             try:
                 async with asyncio.timeout(max(header_wait, 0.0)):
                     upstream = await self._session.request(
@@ -166,7 +178,8 @@ class Proxy:
                 if retryable:
                     upstream.close()
                     raise UpstreamFailed("http_5xx", f"endpoint {endpoint_id} answered {upstream.status}")
-            return await self._stream(request, upstream, endpoint_id, request_id, timeouts, started, loop, deadline)
+            return await self._stream(request, upstream, endpoint_id, request_id, timeouts, started, loop, deadline,
+                                      counter, extra_headers)
 
     async def _stream(
         self,
@@ -178,11 +191,15 @@ class Proxy:
         started: float,
         loop: asyncio.AbstractEventLoop,
         deadline: float | None,
+        counter: OutputCounter | None,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> Outcome:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(_strip(upstream.headers, _NOT_FORWARDED_DOWN))
         response.headers[ENDPOINT_HEADER] = endpoint_id
         response.headers["X-Request-Id"] = request_id
+        if extra_headers is not None:
+            response.headers.update(extra_headers)
         if upstream.content_length is not None:
             response.content_length = upstream.content_length
         outcome = Outcome(response, upstream.status)
@@ -202,9 +219,13 @@ class Proxy:
                     idle.reschedule(deadline)
                     if outcome.ttfb is None:
                         outcome.ttfb = time.perf_counter() - started
+                    if counter is not None:
+                        counter.feed(chunk)
                     await response.write(chunk)
             await response.write_eof()
             clean = True
+            if counter is not None:
+                outcome.output = counter.finish(event_stream=upstream.content_type == "text/event-stream")
         except TimeoutError:
             total = deadline is not None and loop.time() >= deadline
             outcome.error = "total_timeout" if total else "idle_timeout"

@@ -12,15 +12,19 @@ override the listen and admin addresses (handy in containers).
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import yaml
 
+from router import presets
+from router.cost import CHARS_PER_TOKEN_RANGE, CostSettings
+from router.durations import parse_duration
 from router.health.active import ActiveHealthSettings
 from router.health.breaker import BreakerSettings
 from router.health.outlier import OutlierSettings
@@ -28,7 +32,7 @@ from router.health.pool import HealthSettings
 from router.health.slow_start import SlowStartSettings
 from router.model import Endpoint
 from router.policies.base import PolicyConfigError
-from router.policies.consistent_hash import parse_key
+from router.policies.consistent_hash import HashKey, parse_key
 from router.policies.registry import PolicyRegistry
 from router.sticky import StickinessSettings
 
@@ -36,14 +40,13 @@ if TYPE_CHECKING:  # parsed by their own modules, which build on this one's fiel
     from router.admission import AdmissionSettings
     from router.auth import AuthSettings
     from router.control import ControlSettings
+    from router.explain import ExplainSettings
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 ENDPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 POLICY_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a Kubernetes object name, for the CRD
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GPU_SOURCES = ("none", "sim")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
 class ConfigError(ValueError):
@@ -93,6 +96,10 @@ class PolicySpec:
     stickiness: StickinessSettings = StickinessSettings()
     health: HealthSettings = HealthSettings()
     admission: AdmissionSettings | None = None  # router.admission; None or no cap: admission off
+    cost: CostSettings | None = None  # router.cost: request cost estimates; None: none are made
+    # The preset the entry was expanded from (router.presets), or None. Where the settings came from, not
+    # what they are: two specs that route alike are equal whether written out or from a preset.
+    preset: str | None = field(default=None, compare=False)
 
     def matches(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
@@ -132,6 +139,8 @@ class KubernetesDiscoverySettings:
     # `models`. None turns a source off.
     model_annotation: str | None = "fleetroute.io/models"
     model_label: str | None = "fleetroute.io/model"
+    # The EndpointSlice label (copied from the Service) with the endpoints' capacity weight; None: all 1.
+    weight_label: str | None = "fleetroute.io/weight"
     models: tuple[str, ...] = ()
     kubeconfig: str | None = None  # None: in-cluster config when in a pod, else $KUBECONFIG or ~/.kube/config
     context: str | None = None  # kubeconfig context; None: its current context
@@ -166,6 +175,7 @@ class Settings:
     auth: AuthSettings | None = None  # router.auth; None: no client keys, no admin token
     discovery: DiscoverySettings = DiscoverySettings()
     control: ControlSettings | None = None  # router.control: RoutingPolicy resources; None: file policies only
+    explain: ExplainSettings | None = None  # router.explain: sampling and recent decisions; None: the defaults
 
 
 class _Fields:
@@ -210,8 +220,8 @@ class _Fields:
     def number(self, key: str, default: float, *, minimum: float, maximum: float | None = None,
                exclusive_minimum: bool = False) -> float:
         value = self.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(self.at(key), f"must be a number, got {_show(value)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(self.at(key), f"must be a number, got {_show(value)}")  # .inf and .nan too
         too_low = value <= minimum if exclusive_minimum else value < minimum
         if too_low or (maximum is not None and value > maximum):
             low = f"> {minimum}" if exclusive_minimum else f">= {minimum}"
@@ -261,19 +271,6 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def parse_duration(value: Any) -> float | None:
-    """Seconds from `2`, `0.5`, `"500ms"`, `"2s"`, `"1m"`; None if not a duration."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        match = _DURATION.match(value)
-        if match:
-            return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-    return None
-
-
 def _address(fields: _Fields, key: str, default: Address, env_prefix: str, *, others: tuple[str, ...] = ()) -> Address:
     sub = fields.sub(key)
     host = sub.string("host", default.host)
@@ -307,12 +304,31 @@ def _endpoint(path: str, raw: Any) -> Endpoint:
     models = f.get("models")
     if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
         raise ConfigError(f.at("models"), f"must be a non-empty list of model names, got {_show(models)}")
+    weight = f.number("weight", 1.0, minimum=0.0, maximum=1000.0, exclusive_minimum=True)
     f.done()
-    return Endpoint(id=endpoint_id, url=url, models=tuple(dict.fromkeys(models)))
+    return Endpoint(id=endpoint_id, url=url, models=tuple(dict.fromkeys(models)), weight=weight)
+
+
+def expand_policy(path: str, raw: Any, registry: PolicyRegistry) -> tuple[Any, str | None]:
+    """A policy entry with its `preset` expanded (router/presets.py), and the preset's name; an entry
+    without one as it is, and None."""
+    if not isinstance(raw, Mapping) or "preset" not in raw:
+        return raw, None
+    try:
+        return presets.expand(raw, strategy_blocks={p.name: p.config_key for p in registry.all()})
+    except presets.PresetError as exc:
+        raise ConfigError(f"{path}.{exc.field}" if path else exc.field, exc.message) from None
 
 
 def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
+    # Expanded before parsing, so the expanded entry gets every check a hand-written one gets. Errors in it
+    # name the entry as `policies[0] (preset realtime-chat)`: its fields are the operator's or the preset's
+    # (`fleetroute router --show-preset` prints those).
+    raw, preset = expand_policy(path, raw, registry)
+    if preset is not None:
+        path = f"{path} (preset {preset})"
     f = _Fields(raw, path)
+    f.used.add("preset")  # listed among the known fields in an unknown-field error
     name = f.string("name")
     if not POLICY_NAME.match(name):
         raise ConfigError(f.at("name"), f"must be a lower-case DNS label (a-z, 0-9, '-'), got {name!r}")
@@ -327,11 +343,9 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     # Every strategy block present is validated (a typo in an unused block is still a typo), but only
     # the selected strategy's config is kept.
     for policy in registry.all():
-        if not f.has(policy.config_key):
-            if policy.name == strategy_name:
-                params = policy.parse({})
+        if not f.has(policy.config_key) and policy.name != strategy_name:
             continue
-        block = f.get(policy.config_key)
+        block = f.get(policy.config_key)  # the selected strategy's block may be left out: its defaults
         if block is None:
             block = {}
         if not isinstance(block, Mapping):
@@ -363,6 +377,12 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     from router.admission import parse_admission  # here, not on top: router.admission builds on this module
 
     admission = parse_admission(f.sub("admission"))
+    needed_by = None
+    if getattr(params, "needs_cost", False):
+        needed_by = f"strategy {strategy_name} with loadUnit: tokens"
+    elif admission.order != "fifo" and admission.max_concurrent_per_endpoint is not None:
+        needed_by = f"admission.order: {admission.order}"
+    cost = _cost(f.sub("cost"), present=f.get("cost") is not None, needed_by=needed_by)
     f.done()
     return PolicySpec(
         name=name,
@@ -374,7 +394,42 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
         stickiness=stickiness,
         health=health,
         admission=admission,
+        cost=cost,
+        preset=preset,
     )
+
+
+def _cost(f: _Fields, *, present: bool, needed_by: str | None) -> CostSettings | None:
+    """A policy's `cost:` block. Present, it turns estimation on unless it says `enabled: false`; absent, the
+    defaults apply when `needed_by` (what in the policy uses estimates) is set, else nothing is estimated."""
+    enabled = f.boolean("enabled", True)
+    d = CostSettings()
+    keys: list[HashKey | None] = []
+    for field_name, default in (("sessionKey", "header:x-session-id"), ("fallbackKey", "body:user")):
+        raw = f.get(field_name, default)
+        if raw is None:
+            keys.append(None)
+            continue
+        try:
+            keys.append(parse_key(raw))
+        except PolicyConfigError as exc:
+            raise ConfigError(f.at(field_name), exc.message) from None
+    low, high = CHARS_PER_TOKEN_RANGE
+    settings = CostSettings(
+        prefill_weight=f.number("prefillWeight", d.prefill_weight, minimum=0, maximum=100),
+        chars_per_token=f.number("charsPerToken", d.chars_per_token, minimum=low, maximum=high),
+        prior_output_tokens=f.number("priorOutputTokens", d.prior_output_tokens, minimum=0, maximum=10_000_000),
+        session_key=keys[0],
+        fallback_key=keys[1],
+        max_sessions=f.integer("maxSessions", d.max_sessions, minimum=0, maximum=1_000_000),
+        window=f.integer("window", d.window, minimum=1, maximum=100_000),
+    )
+    f.done()
+    if not enabled:
+        if needed_by is not None:
+            raise ConfigError(f.at("enabled"), f"cannot be false: {needed_by} needs cost estimates")
+        return None
+    return settings if present or needed_by is not None else None
 
 
 def _health(f: _Fields) -> HealthSettings:
@@ -447,7 +502,7 @@ def _stickiness(f: _Fields) -> StickinessSettings:
             raise ConfigError(f.at(field_name), exc.message) from None
     ttl = f.duration("ttl", defaults.ttl)
     factor = f.get("maxLoadFactor", defaults.max_load_factor)
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 1:
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 < factor < math.inf:
         raise ConfigError(f.at("maxLoadFactor"), f"must be a number > 1, got {_show(factor)}")
     f.done()
     return StickinessSettings(enabled=enabled, key=keys[0], fallback_key=keys[1], ttl=ttl,
@@ -522,6 +577,7 @@ def _kubernetes_discovery(f: _Fields) -> KubernetesDiscoverySettings:
     d = KubernetesDiscoverySettings()
     # A misspelt key is reported as such, before the checks below would complain about what it meant to set.
     f.used.update(("service", "labelSelector", "namespace", "port", "scheme", "modelAnnotation", "modelLabel",
+                   "weightLabel",
                    "models", "kubeconfig", "context", "syncTimeout", "watchTimeout", "initialBackoff", "maxBackoff"))
     f.done()
     service = f.string("service") if f.get("service") is not None else None
@@ -549,6 +605,7 @@ def _kubernetes_discovery(f: _Fields) -> KubernetesDiscoverySettings:
         raise ConfigError(f.at("models"), f"must be a list of model names, got {_show(models)}")
     annotation = _optional_key(f, "modelAnnotation", d.model_annotation)
     label = _optional_key(f, "modelLabel", d.model_label)
+    weight_label = _optional_key(f, "weightLabel", d.weight_label)
     if annotation is None and label is None and not models:
         raise ConfigError(f.at("models"), "is required when modelAnnotation and modelLabel are both null: "
                                           "discovered endpoints need a model")
@@ -562,6 +619,7 @@ def _kubernetes_discovery(f: _Fields) -> KubernetesDiscoverySettings:
         scheme=f.choice("scheme", d.scheme, ("http", "https")),
         model_annotation=annotation,
         model_label=label,
+        weight_label=weight_label,
         models=tuple(dict.fromkeys(m.strip() for m in models)),
         kubeconfig=kubeconfig,
         context=context,
@@ -640,6 +698,9 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     from router.control import parse_control  # here, not on top: router.control builds on this module
 
     control = parse_control(top)
+    from router.explain import parse_explain  # here, not on top: router.explain builds on this module
+
+    explain = parse_explain(top.sub("explain")) if top.get("explain") is not None else None
     top.done()
     return Settings(
         listen=listen,
@@ -657,6 +718,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         auth=auth,
         discovery=discovery,
         control=control,
+        explain=explain,
     )
 
 

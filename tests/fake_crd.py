@@ -65,6 +65,17 @@ class FakeCRD:
     def default(self, obj: dict[str, Any]) -> None:
         _default(self.schema, obj)
 
+    @staticmethod
+    def stored(obj: Any) -> Any:
+        """`obj` as the API server keeps a custom resource: unstructured JSON, which comes back with every
+        object's keys in alphabetical order (Go's encoding/json sorts map keys). Order that was meaning, such
+        as the rank of `admission.classes`, is lost."""
+        if isinstance(obj, dict):
+            return {k: FakeCRD.stored(obj[k]) for k in sorted(obj)}
+        if isinstance(obj, list):
+            return [FakeCRD.stored(v) for v in obj]
+        return obj
+
     def admit(self, obj: dict[str, Any]) -> list[str]:
         """Default `obj` in place; the API server's field errors (`spec.x: Invalid value: ...`), or none."""
         _default(self.schema, obj)
@@ -79,6 +90,11 @@ class FakeCRD:
     def _cel(self, schema: dict[str, Any], value: Any, path: str) -> list[str]:
         errors = []
         for rule in schema.get("x-kubernetes-validations", ()):
+            if schema.get("properties") and _COMPREHENSION_ON_SELF.search(rule["rule"]):
+                # Typed CEL: an object with properties is a message type, which no macro may range over;
+                # the API server refuses such a CRD outright ("cannot be range of a comprehension").
+                raise ValueError(f"{path or '<root>'}: rule {rule['rule']!r} ranges over an object with "
+                                 "properties, which Kubernetes' typed CEL refuses")
             program = self.cel.program(self.cel.compile(rule["rule"]))
             try:
                 ok = program.evaluate({"self": celpy.json_to_cel(_as_cel(schema, value))})
@@ -122,14 +138,18 @@ def _default(schema: dict[str, Any], value: Any) -> None:
             _default(schema["items"], item)
 
 
+_COMPREHENSION_ON_SELF = re.compile(r"\bself\.(all|exists|exists_one|map|filter)\(")
+
+
 def _as_cel(schema: dict[str, Any], value: Any) -> Any:
-    """Numbers of `number` fields as floats (CEL's double), recursively."""
+    """Numbers of `number` fields as floats (CEL's double), recursively; null-valued fields left out, since
+    Kubernetes CEL treats them as absent (`has(self.x)` is false for a nullable `x` set to null)."""
     if schema.get("type") == "number" and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, dict):
         props = schema.get("properties") or {}
         extra = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else {}
-        return {k: _as_cel(props.get(k, extra), v) for k, v in value.items()}
+        return {k: _as_cel(props.get(k, extra), v) for k, v in value.items() if v is not None}
     return value
 
 

@@ -4,13 +4,23 @@ It answers `/v1/chat/completions`, `/v1/completions` and `/v1/embeddings` (strea
 `data:` event per token and a final `data: [DONE]`, like vLLM), `/v1/models`, `/health` and a `/metrics`
 page with vLLM's gauge names. Tests steer it through attributes: the load it reports, a status to fail
 with, a gate that holds a stream after its first token (to prove the router does not buffer), a hang
-before headers (timeouts), and it records every request and whether a stream's client went away.
+before headers (timeouts), how many tokens to answer a request with, and it records every request and
+whether a stream's client went away.
+
+Streams come in two shapes. By default, OpenAI's: the first event carries the role and the first token,
+and an empty `delta: {}` (chat) or `text: ""` (completions) event carries the finish reason. With
+`vllm_stream`, vLLM's (vllm/entrypoints/openai/chat_completion/serving.py): a role-only opening event
+(`{"role": "assistant", "content": ""}`) and the finish reason on the last token's event, with
+`tokens_per_event` tokens in each event (more than one when vLLM merges steps under load). Either way
+`stream_options.include_usage` adds a usage-only event (`"choices": []`) before `[DONE]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +48,13 @@ class FakeEngine:
     stream_aborted: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_sent: asyncio.Event = field(default_factory=asyncio.Event)
     unhealthy: bool = False  # /health answers 503
+    # Output tokens for a request body (capped at its max_tokens); None: max_tokens, or 4 without it.
+    output_length: Callable[[dict[str, Any]], int] | None = None
+    vllm_stream: bool = False  # stream in vLLM's shape (see the module docstring)
+    # vLLM shape only: tokens per event, as when vLLM's API server falls behind and merges engine steps.
+    tokens_per_event: int = 1
+    # Its "tokenizer", for usage.prompt_tokens: this many characters of text per token, plus 4 per message.
+    prompt_chars_per_token: float = 4.0
     runner: web.AppRunner | None = None
     url: str = ""
     port: int = 0  # 0: a free port on first start; a restart reuses the same one
@@ -65,7 +82,8 @@ class FakeEngine:
     # ---- handlers -----------------------------------------------------------------------------------
 
     async def _inference(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        # As vLLM (Starlette) reads it: JSON from the raw bytes, whatever charset the Content-Type names.
+        body = orjson.loads(await request.read())
         self.requests.append({"path": request.path, "headers": dict(request.headers), "body": body})
         if self.hang is not None:
             await self.hang.wait()
@@ -82,7 +100,7 @@ class FakeEngine:
                  "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, 0.3]}],
                  "usage": {"prompt_tokens": 3, "total_tokens": 3}}
             )
-        tokens = [f"tok{i} " for i in range(int(body.get("max_tokens") or 4))]
+        tokens = [f"tok{i} " for i in range(self._length(body))]
         chat = request.path == "/v1/chat/completions"
         if body.get("stream"):
             return await self._stream(request, body, tokens, chat)
@@ -98,16 +116,34 @@ class FakeEngine:
                 "created": int(time.time()),
                 "model": body["model"],
                 "choices": [choice],
-                "usage": {"prompt_tokens": 5, "completion_tokens": len(tokens), "total_tokens": 5 + len(tokens)},
+                "usage": self._usage(body, tokens),
             },
             headers={"x-served-by": self.name},
         )
+
+    def _usage(self, body: dict[str, Any], tokens: list[str]) -> dict[str, int]:
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            chars = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+            prompt = math.ceil(chars / self.prompt_chars_per_token) + 4 * len(messages)
+        else:
+            prompt = math.ceil(len(str(body.get("prompt") or "")) / self.prompt_chars_per_token)
+        return {"prompt_tokens": prompt, "completion_tokens": len(tokens), "total_tokens": prompt + len(tokens)}
+
+    def _length(self, body: dict[str, Any]) -> int:
+        cap = body.get("max_tokens")
+        if self.output_length is None:
+            return int(cap or 4)
+        wanted = self.output_length(body)
+        return min(wanted, int(cap)) if cap else wanted
 
     async def _stream(
         self, request: web.Request, body: dict[str, Any], tokens: list[str], chat: bool
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-served-by": self.name})
         await resp.prepare(request)
+        if self.vllm_stream:
+            return await self._vllm_stream(request, resp, body, tokens, chat)
         try:
             for i, tok in enumerate(tokens):
                 delta: dict[str, Any] = (
@@ -132,12 +168,47 @@ class FakeEngine:
                      "choices": [{"index": 0, "delta": {}, "finish_reason": "length"} if chat
                                  else {"index": 0, "text": "", "finish_reason": "length"}]}
             await resp.write(b"data: " + orjson.dumps(final) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            await self._end_stream(resp, body, tokens, chat)
         except (ConnectionResetError, asyncio.CancelledError):
             self.stream_aborted.set()
             raise
         return resp
+
+    async def _vllm_stream(
+        self, request: web.Request, resp: web.StreamResponse, body: dict[str, Any], tokens: list[str], chat: bool
+    ) -> web.StreamResponse:
+        base = {"id": f"cmpl-{self.name}", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": body["model"]}
+        try:
+            if chat:
+                opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}
+                await resp.write(b"data: " + orjson.dumps({**base, "choices": [opening]}) + b"\n\n")
+            step = self.tokens_per_event
+            pieces = ["".join(tokens[i:i + step]) for i in range(0, len(tokens), step)]
+            for i, tok in enumerate(pieces):
+                finish = "length" if i + 1 == len(pieces) else None
+                choice = ({"index": 0, "delta": {"content": tok}, "logprobs": None, "finish_reason": finish} if chat
+                          else {"index": 0, "text": tok, "logprobs": None, "finish_reason": finish})
+                await resp.write(b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n")
+                if i == 0:
+                    self.first_token_sent.set()
+                    if self.gate is not None:
+                        await self.gate.wait()
+            await self._end_stream(resp, body, tokens, chat)
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.stream_aborted.set()
+            raise
+        return resp
+
+    async def _end_stream(self, resp: web.StreamResponse, body: dict[str, Any], tokens: list[str], chat: bool) -> None:
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"id": f"cmpl-{self.name}", "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": body["model"], "choices": [],
+                     "usage": self._usage(body, tokens)}
+            await resp.write(b"data: " + orjson.dumps(usage) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})

@@ -16,7 +16,8 @@ resources it knows (EndpointSlices, Pods, Services, Namespaces; add more to `RES
   BOOKMARK events when the test calls `bookmark()`. `timeoutSeconds` ends a watch.
 
 Custom resources: a plural in `crds` (a tests/fake_crd.py `FakeCRD`) gets the CRD's defaults, schema and CEL
-validation on every write (422 `Invalid` with field messages), `as=Table` answers with its printer columns
+validation on every write (422 `Invalid` with field messages), is stored with its keys in alphabetical order
+(unstructured JSON, as the API server keeps custom resources), `as=Table` answers with its printer columns
 (list, get and watch: kubectl get and get -w), and a `/status` subresource (RoutingPolicies): writes to the
 object keep its status, writes to `/status` change only the status, and `metadata.generation` moves only
 when the spec does. Leases (coordination.k8s.io/v1) are plain objects with the PUT resourceVersion check.
@@ -232,8 +233,9 @@ class FakeKube:
     def create(self, plural: str, obj: dict[str, Any], *, namespace: str = "default") -> dict[str, Any]:
         res = self.resource(plural)
         obj = copy.deepcopy(obj)
-        if plural in self.crds:  # the schema's defaults, as on every write
+        if plural in self.crds:  # the schema's defaults, as on every write; stored as unstructured JSON
             self.crds[plural].default(obj)
+            obj = self.crds[plural].stored(obj)
         meta = obj.setdefault("metadata", {})
         ns = meta.get("namespace", namespace) if res.namespaced else ""
         key = (plural, ns, meta["name"])
@@ -253,6 +255,7 @@ class FakeKube:
         obj = copy.deepcopy(obj)
         if plural in self.crds:
             self.crds[plural].default(obj)
+            obj = self.crds[plural].stored(obj)
         meta = obj["metadata"]
         ns = meta.get("namespace", namespace) if res.namespaced else ""
         key = (plural, ns, meta["name"])

@@ -64,6 +64,7 @@ class Harness:
         self.shed: dict[str, Any] = {}  # request id -> the shed response
         self.slots: dict[str, contextlib.ExitStack] = {}  # request id (or a label) -> its held slot
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.costs: dict[str, float] = {}  # request id -> predicted cost in tokens (shortest-expected-first)
 
     def hold(self, label: str, endpoint: str = "gpu-0") -> None:
         stack = contextlib.ExitStack()
@@ -74,7 +75,7 @@ class Harness:
         self.slots.pop(label).close()
 
     async def _request(self, rid: str, headers: dict[str, str]) -> None:
-        shed = await self.pool.admit(rid, headers)
+        shed = await self.pool.admit(rid, headers, self.costs.get(rid, 0.0))
         if shed is not None:
             self.shed[rid] = shed
             return
@@ -437,6 +438,147 @@ async def test_deadlines_fire_on_their_own_with_the_real_clock() -> None:
     assert response is not None and _error(response)["code"] == "queue_deadline_exceeded"
 
 
+# ---- shortest-expected-first ------------------------------------------------------------------------------
+
+SEF = {"maxConcurrentPerEndpoint": 1, "order": "shortest-expected-first", "agingTokensPerSecond": 1000}
+
+
+async def _drain(h: Harness, n: int) -> None:
+    """Release the busy slot, then each admitted request's, until `n` requests were admitted."""
+    previous = "busy"
+    for i in range(1, n + 1):
+        h.release(previous)
+        await _until(lambda i=i: len(h.admitted) == i)
+        previous = h.admitted[-1]
+
+
+async def test_shortest_expected_first_serves_short_requests_before_long_ones_of_their_class() -> None:
+    h = Harness(SEF)
+    h.hold("busy")
+    h.costs.update({"long": 5000, "medium": 500, "short": 50, "no-estimate": 0})
+    for rid in ("long", "medium", "short", "no-estimate"):
+        await h.send(rid)
+    await _drain(h, 4)
+    assert h.admitted == ["no-estimate", "short", "medium", "long"]
+
+
+async def test_shortest_expected_first_across_classes_is_one_virtual_time() -> None:
+    # With ageing a class is worth agingSeconds (10 s) of waiting and a cost C is worth C / 1000 s, all fixed
+    # on entry: keys rank * 10 + C / 1000 are normal-5000 -> 15, high-20000 -> 20, low-1000 -> 21.
+    h = Harness(SEF)
+    h.hold("busy")
+    h.costs.update({"high-20000": 20_000, "normal-5000": 5000, "low-1000": 1000})
+    await h.send("low-1000", "low")
+    await h.send("high-20000", "high")
+    await h.send("normal-5000", "normal")
+    await _drain(h, 3)
+    assert h.admitted == ["normal-5000", "high-20000", "low-1000"]
+
+
+@pytest.mark.parametrize(
+    ("short_arrives_after", "first"),
+    [
+        # A 5,000-token request waits at most 5,000 / 1000 = 5 s longer than FIFO would make it: a cheaper
+        # request of its class that arrives within those 5 s goes first ...
+        (4.9, "short"),
+        # ... one that arrives later does not: the long one is not starved by a stream of short ones.
+        (5.1, "long"),
+    ],
+)
+async def test_shortest_expected_first_ages_long_requests_within_the_bound(short_arrives_after: float, first: str) -> None:
+    h = Harness({**SEF, "classes": {"normal": {"deadline": "1m"}}, "defaultClass": "normal"})
+    h.hold("busy")
+    h.costs.update({"long": 5000, "short": 0})
+    await h.send("long")
+    h.clock.now += short_arrives_after
+    await h.send("short")
+    await _drain(h, 2)
+    assert h.admitted[0] == first
+
+
+async def test_under_a_stream_of_short_requests_a_long_one_is_served_within_its_bound() -> None:
+    # The pool serves one request per second; a short request arrives every 0.5 s, forever (here: 40 s).
+    # The long one (cost 10,000: 10 s at 1000 tokens/s) arrives at t = 0 behind a queue of shorts and is
+    # served once the shorts that arrived before t = 10 s have been: at about t = 20 s, not never.
+    h = Harness({**SEF, "maxQueue": 1000, "classes": {"normal": {"deadline": "10m"}}, "defaultClass": "normal"})
+    h.hold("busy")
+    h.costs["long"] = 10_000
+    start = h.clock.now
+    await h.send("long")
+    served_at: dict[str, float] = {}
+    previous = "busy"
+    for tick in range(80):  # 0.5 s per tick
+        await h.send(f"short-{tick}")
+        h.clock.now += 0.5
+        if tick % 2:
+            h.release(previous)
+            wanted = len(served_at) + 1
+            await _until(lambda wanted=wanted: len(h.admitted) == wanted)
+            previous = h.admitted[-1]
+            served_at[previous] = h.clock.now - start
+    assert "long" in served_at and served_at["long"] <= 21.0, served_at.get("long")
+    later = [rid for rid in h.admitted[h.admitted.index("long") + 1:]]
+    assert later and all(int(rid.split("-")[1]) >= 20 for rid in later)  # only shorts from after t = 10 s
+
+
+async def test_fifo_stays_the_default_whatever_the_cost() -> None:
+    h = Harness({"maxConcurrentPerEndpoint": 1})
+    h.hold("busy")
+    h.costs.update({"long": 50_000, "short": 1})
+    await h.send("long")
+    await h.send("short")
+    await _drain(h, 2)
+    assert h.admitted == ["long", "short"]
+
+
+async def test_shortest_expected_first_evicts_the_last_in_order_of_the_lowest_class() -> None:
+    h = Harness({**SEF, "maxQueue": 2})
+    h.hold("busy")
+    h.costs.update({"low-long": 9000, "low-short": 10})
+    await h.send("low-long", "low")
+    await h.send("low-short", "low")  # newer, but ahead of low-long in the class's order
+    await h.send("high", "high")
+    await _until(lambda: "low-long" in h.shed)
+    assert _error(h.shed["low-long"])["code"] == "queue_evicted"
+    await _drain(h, 2)
+    assert h.admitted == ["high", "low-short"]
+
+
+async def test_shortest_expected_first_a_client_that_leaves_gives_up_its_place() -> None:
+    h = Harness(SEF)
+    h.hold("busy")
+    h.costs.update({"a": 300, "b": 100, "c": 200})
+    for rid in ("a", "b", "c"):
+        await h.send(rid)
+    h.tasks["c"].cancel()  # in the middle of the class's heap
+    await _until(lambda: h.pool.queued == 2)
+    await _drain(h, 2)
+    assert h.admitted == ["b", "a"]
+
+
+async def test_end_to_end_shortest_expected_first_uses_the_requests_predicted_cost(make_engine, make_router, http) -> None:
+    engine = await make_engine("gpu-0", gate=asyncio.Event())
+    router = await make_router([engine], policies=[{
+        "name": "default", "strategy": "least-connections",
+        "admission": {"maxConcurrentPerEndpoint": 1, "order": "shortest-expected-first"}}])
+    url = router.ingress_url + "/v1/chat/completions"
+    holder = await http.post(url, json={**CHAT, "stream": True})
+    await holder.content.readuntil(b"\n\n")
+    # Same class, the long one first: a 40k-character prompt and max_tokens 2000 against a short question.
+    long = asyncio.create_task(http.post(url, json={**CHAT, "max_tokens": 2000,
+                                                    "messages": [{"role": "user", "content": "x" * 40_000}]}))
+    await _until(lambda: router.ctx.admission.queued(MODEL) == 1)
+    short = asyncio.create_task(http.post(url, json={**CHAT, "max_tokens": 10}))
+    await _until(lambda: router.ctx.admission.queued(MODEL) == 2)
+    engine.gate.set()
+    await holder.read()
+    for task in (long, short):
+        resp = await asyncio.wait_for(task, 5)
+        assert resp.status == 200
+        await resp.read()
+    assert [len(r["body"]["messages"][0]["content"]) for r in engine.requests[1:]] == [2, 40_000]  # "hi" first
+
+
 # ---- end to end ------------------------------------------------------------------------------------------
 
 
@@ -525,3 +667,38 @@ async def test_with_caps_off_admission_stays_out_of_the_way(make_engine, make_ro
         await resp.read()
         resp.close()
     assert "fleetroute_admission_admitted_total{" not in await _metrics(http, router)
+
+
+def test_shortest_first_queue_keeps_its_order_through_many_removals_from_the_middle() -> None:
+    # Deadline sheds and client cancels remove waiters from anywhere in the queue; removal is lazy (so a
+    # mass expiry of a 10,000-request batch queue is not O(n^2)), and head/last must still be the least and
+    # greatest live keys, with put-back waiters (woken, then requeued) keeping their place.
+    import random
+
+    from router.admission import _ByKey
+
+    class Waiter:  # what the queue reads of a waiter: its fixed key (and identity)
+        def __init__(self, key: tuple[float, int]) -> None:
+            self.key = key
+
+    rng = random.Random(5)
+    queue = _ByKey()
+    waiters = [Waiter((rng.random(), i)) for i in range(5000)]
+    for w in waiters:
+        queue.push(w, front=False)
+    live = set(map(id, waiters))
+    for w in rng.sample(waiters, 4000):
+        queue.remove(w)
+        live.discard(id(w))
+    for w in rng.sample([w for w in waiters if id(w) in live], 100):  # woken, then put back
+        queue.remove(w)
+        queue.push(w, front=True)
+    remaining = sorted((w for w in waiters if id(w) in live), key=lambda w: w.key)
+    assert len(queue) == len(remaining) == 1000
+    assert queue.head() is remaining[0] and queue.last() is remaining[-1]
+    order = []
+    while len(queue):
+        w = queue.head()
+        order.append(w)
+        queue.remove(w)
+    assert order == remaining

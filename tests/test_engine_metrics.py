@@ -11,6 +11,7 @@ import pytest
 from router.model import Telemetry
 from tests.conftest import MODEL
 from tests.fake_engine import EngineLoad
+from tests.redis_server import redis_url  # noqa: F401 - fixture
 from worker.vllm_metrics import parse_vllm_metrics
 
 # Shaped like vLLM v1's page: labels, data-parallel engines, histograms and counters around the gauges.
@@ -130,3 +131,66 @@ async def test_stale_telemetry_becomes_unknown(make_engine, make_router) -> None
     now[0] = 105.5
     balancer.rebuild()
     assert balancer.snapshot.by_id["gpu-0"].telemetry is None
+
+
+@pytest.mark.parametrize("labels, tokens", [
+    pytest.param('kv_cache_size_tokens="1048576",num_gpu_blocks="8192",block_size="128"', 1048576,
+                 id="kv_cache_size_tokens where present"),
+    pytest.param('num_gpu_blocks="2048",block_size="16"', 2048 * 16, id="num_gpu_blocks x block_size otherwise"),
+    pytest.param('kv_cache_size_tokens="None",num_gpu_blocks="100",block_size="16"', 1600,
+                 id="a None size falls back to the blocks"),
+    pytest.param('num_gpu_blocks="None",block_size="16"', None, id="unknown blocks: unknown capacity"),
+])
+def test_kv_capacity_from_cache_config_info(labels: str, tokens: int | None) -> None:
+    page = ("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{engine="0",{labels}}} 1.0\n')
+    assert parse_vllm_metrics(page).kv_capacity_tokens == tokens
+
+
+def test_kv_capacity_sums_data_parallel_engines_and_is_unknown_if_one_is() -> None:
+    head = "# HELP vllm:cache_config_info x\n# TYPE vllm:cache_config_info gauge\n"
+    two = head + ('vllm:cache_config_info{engine="0",num_gpu_blocks="10",block_size="16"} 1.0\n'
+                  'vllm:cache_config_info{engine="1",num_gpu_blocks="10",block_size="16"} 1.0\n')
+    assert parse_vllm_metrics(two).kv_capacity_tokens == 320
+    broken = two.replace('engine="1",num_gpu_blocks="10"', 'engine="1",num_gpu_blocks="None"')
+    assert parse_vllm_metrics(broken).kv_capacity_tokens is None
+
+
+@pytest.mark.parametrize("name", ["idle", "busy"])
+def test_the_captured_vllm_pages_report_their_kv_capacity(name: str) -> None:
+    with open(f"tests/data/vllm_metrics_{name}.txt") as f:
+        assert parse_vllm_metrics(f.read()).kv_capacity_tokens == 8192 * 128
+
+
+async def test_the_kv_capacity_and_prefix_counters_reach_the_routers_telemetry(redis_url) -> None:  # noqa: F811
+    # Through the wire schema: an agent-style record round-trips via a real Redis into router.model.Telemetry.
+    import time
+    import uuid
+
+    import redis.asyncio as aioredis
+
+    from router.telemetry import RedisStore, to_telemetry
+    from worker.protocol import EngineSample, GpuSample, TelemetryRecord, decode, encode
+    from worker.publisher import RedisPublisher
+
+    endpoint = f"gpu-{uuid.uuid4().hex[:8]}"
+    client = aioredis.from_url(redis_url, decode_responses=True)
+    store = RedisStore(redis_url, timeout=1.0)
+    try:
+        record = TelemetryRecord(endpoint_id=endpoint, reported_at=time.time(), seq=1, interval=1.0, gpu_source="none",
+                                 gpu=GpuSample(), prefix_cache_hit_rate=0.25,
+                                 engine=EngineSample(up=True, prefix_cache_queries=400.0, prefix_cache_hits=100.0,
+                                                     kv_capacity_tokens=1048576))
+        await RedisPublisher(client, ttl=30).publish(record)
+        raw = (await store.read([endpoint]))[endpoint]
+        assert raw["kv_capacity_tokens"] == "1048576"
+        tel = to_telemetry(decode(raw), wall_now=time.time(), mono_now=100.0)
+        assert (tel.kv_capacity_tokens, tel.prefix_cache_hit_rate, tel.prefix_cache_queries,
+                tel.prefix_cache_hits) == (1048576, 0.25, 400.0, 100.0)
+        old_agent = {k: v for k, v in encode(record).items() if k != "kv_capacity_tokens"}
+        assert decode(old_agent).engine.kv_capacity_tokens is None  # an older agent: unknown, not an error
+    finally:
+        await client.delete(f"fleetroute:v1:telemetry:{endpoint}")
+        await client.aclose()
+        await store.close()

@@ -49,12 +49,15 @@ INFERENCE = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 UPSTREAM_CODES = frozenset({"upstream_unreachable", "upstream_error", "upstream_timeout", "no_endpoint"})
 
 
-@dataclass
+@dataclass(repr=False)
 class Target:
     router: RunningRouter
     engine: FakeEngine
     http: aiohttp.ClientSession
     loop: asyncio.AbstractEventLoop
+
+    def __repr__(self) -> str:  # Hypothesis prints the arguments of a failing case: not the router's insides
+        return f"Target(router at {self.router.ingress_url})"
 
     def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return self.loop.run_until_complete(asyncio.wait_for(coro, 10))

@@ -247,6 +247,8 @@ def test_worker_pools_match_discovery(rendered):
         name = f"{RELEASE}-fleetroute-{pool['name']}"
         svc = _one(objs, "Service", name)
         assert [p["name"] for p in svc["spec"]["ports"]] == [kube["port"]]
+        # The pool's capacity weight rides on the Service's labels, which its EndpointSlices copy.
+        assert svc["metadata"]["labels"].get("fleetroute.io/weight") == (str(pool["weight"]) if "weight" in pool else None)
         dep = _one(objs, "Deployment", name)
         tmpl = dep["spec"]["template"]
         assert svc["spec"]["selector"].items() <= tmpl["metadata"]["labels"].items()
@@ -278,6 +280,8 @@ def test_worker_pools_match_discovery(rendered):
     spec = json.loads(spec_args[spec_args.index("--speculative-config") + 1])
     assert spec == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
     assert len(cfg["policies"]) == 2
+    chat = parse_settings(cfg).policies[0]  # a preset with an override, through the ConfigMap
+    assert (chat.preset, chat.strategy, chat.admission.max_concurrent_per_endpoint) == ("realtime-chat", "prefix-aware", 32)
 
 
 def test_rbac_is_least_privilege(rendered):
@@ -353,6 +357,9 @@ def test_hpa_ingress_and_monitoring(rendered):
         pytest.param(["--set", "redis.external.url=http://redis:6379"], "at '/redis/external/url'", id="bad-redis-url"),
         pytest.param(["--set", "pools[0].engine.gpuMemoryUtilization=1.5"], "gpuMemoryUtilization", id="gpu-mem-over-1"),
         pytest.param(["--set", "agent.gpuSource=sim"], "gpuSource", id="agent-gpu-source-sim"),
+        pytest.param(["--set", "router.policies[0].name=chat,router.policies[0].preset=chat"],
+                     "at '/router/policies/0/preset': value must be one of 'realtime-chat', 'batch-generation', "
+                     "'rag-search'", id="unknown-preset"),
     ],
 )
 def test_bad_values_are_rejected_with_a_clear_message(helm, args, message):

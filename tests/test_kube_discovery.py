@@ -372,6 +372,24 @@ async def test_models_come_from_the_pod_annotation_then_the_slice_label_then_the
     assert pod_reads() == ["vllm-a", "vllm-b", "vllm-c"]  # ...cached while the pod lives
 
 
+async def test_endpoint_weights_come_from_the_services_weight_label(
+    kube: FakeKube, make_engine: MakeEngine, make_router: MakeRouter, tmp_path: Path,
+) -> None:
+    big = await make_engine("vllm-h100")
+    small = await make_engine("vllm-a100")
+    odd = await make_engine("vllm-odd")
+    app = {"app": "vllm"}
+    add_pod(kube, big, slice_labels={**app, "fleetroute.io/weight": "1.8"})
+    add_pod(kube, small, slice_labels=app)
+    add_pod(kube, odd, slice_labels={**app, "fleetroute.io/weight": "fast"})  # unusable: logged, weight 1
+    kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS)
+    router = await make_router([], policies=ROUND_ROBIN, discovery={"kubernetes": {
+        "labelSelector": "app=vllm", "kubeconfig": str(kubeconfig)}})
+    await until(router, lambda: len(router.ctx.balancer.endpoints()) == 3)
+    weights = {ep.id: ep.weight for ep in router.ctx.balancer.endpoints()}
+    assert weights == {"vllm-h100": 1.8, "vllm-a100": 1.0, "vllm-odd": 1.0}
+
+
 @pytest.mark.parametrize(
     ("kubernetes", "message"),
     [

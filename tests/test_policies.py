@@ -119,7 +119,8 @@ def test_parse_rejects_bad_parameters_naming_the_field(strategy: str, params: di
 
 
 def test_registry_has_the_builtin_strategies() -> None:
-    assert REGISTRY.names() == ["adaptive", "consistent-hash", "least-connections", "prefix-aware", "round-robin"]
+    assert REGISTRY.names() == ["adaptive", "composite", "consistent-hash", "least-connections", "prefix-aware",
+                                "round-robin"]
 
 
 # ---- round-robin -------------------------------------------------------------------------------------

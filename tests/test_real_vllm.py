@@ -10,17 +10,21 @@ See docs/real-vllm.md.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import random
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
 import openai
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.access_log import AccessLog
 from router.app import RunningRouter, build_context, start_router
 from router.settings import parse_settings
 from tests.real_vllm import (
@@ -97,6 +101,9 @@ def test_parser_reads_each_real_server_and_counters_move(vllm: list[VllmServer])
         assert sample.kv_cache_usage is not None and 0.0 <= sample.kv_cache_usage <= 1.0
         assert sample.prefix_cache_queries is not None and sample.prefix_cache_hits is not None
         assert sample.preemptions_total is not None
+        # vllm:cache_config_info: the KV capacity the prefix-aware index is sized from, whole blocks of it.
+        assert sample.kv_capacity_tokens is not None and sample.kv_capacity_tokens > 0
+        assert sample.kv_capacity_tokens % 16 == 0
 
         reply = complete(server, "The quick brown fox", max_tokens=16)
         assert reply["usage"]["completion_tokens"] == 16
@@ -221,6 +228,44 @@ async def test_openai_sdk_through_the_router_to_both_servers(client: openai.Asyn
         assert endpoints[endpoint]["num_running"] is not None and endpoints[endpoint]["kv_cache_usage"] is not None
 
 
+async def test_output_tokens_are_counted_from_real_vllm_answers(vllm: list[VllmServer]) -> None:
+    # The cost model learns each answer's output tokens (router/output_tokens.py): usage.completion_tokens
+    # when vLLM sends it, else the stream's events, or its text when vLLM merged steps into fewer events (this
+    # tiny model on the CPU steps faster than vLLM's API server drains them, so it often does). With ignore_eos
+    # every answer has exactly max_tokens tokens.
+    router = await start(vllm, {"strategy": "least-connections", "leastConnections": {"loadUnit": "tokens"}})
+    # Long enough (>= 64 characters) for the prompt estimate to calibrate from vLLM's usage.prompt_tokens.
+    story = "Once upon a time, in a small town by the sea, there lived an old fisherman and his cat."
+    router.ctx.access_log = AccessLog(log := io.BytesIO())
+    router.ctx.settings = replace(router.ctx.settings, access_log=True)
+    # (path, stream, include_usage, max_tokens); a stream with usage first: it calibrates bytes per token.
+    cases = [("/v1/chat/completions", False, False, 5), ("/v1/chat/completions", True, True, 40),
+             ("/v1/chat/completions", True, False, 40), ("/v1/completions", False, False, 7),
+             ("/v1/completions", True, True, 40), ("/v1/completions", True, False, 40)]
+    try:
+        async with aiohttp.ClientSession() as http:
+            for path, stream, include_usage, max_tokens in cases:
+                body = {"model": SERVED_MODEL, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True,
+                        **({"messages": [{"role": "user", "content": story}]} if "chat" in path else {"prompt": story})}
+                if stream:
+                    body["stream_options"] = {"include_usage": include_usage}
+                async with http.post(router.ingress_url + path, json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            async with http.get(router.admin_url + "/metrics") as resp:
+                text = await resp.text()
+    finally:
+        await router.close()
+    entries = [orjson.loads(line) for line in log.getvalue().splitlines()]
+    for entry, (_, stream, include_usage, max_tokens) in zip(entries, cases, strict=True):
+        if not stream or include_usage:
+            assert (entry["output_tokens"], entry["output_tokens_source"]) == (max_tokens, "usage"), entry
+        else:  # exact when every step had its event; within a quarter when the text had to count merged steps
+            assert entry["output_tokens_source"] in ("stream", "stream_text"), entry
+            assert abs(entry["output_tokens"] - max_tokens) <= max_tokens / 4, entry
+    assert 1.0 <= sample_value(text, "fleetroute_cost_chars_per_token") <= 8.0  # calibrated from usage
+
+
 async def router_telemetry(http: aiohttp.ClientSession, router: RunningRouter) -> dict[str, dict | None]:
     async with http.get(router.admin_url + "/admin/endpoints") as resp:
         return {e["id"]: e["telemetry"] for e in (await resp.json())["endpoints"]}
@@ -229,8 +274,11 @@ async def router_telemetry(http: aiohttp.ClientSession, router: RunningRouter) -
 async def test_adaptive_router_avoids_the_server_with_a_real_queue(vllm: list[VllmServer]) -> None:
     # Only the engine-reported load counts (running + waiting): vllm-0 gets a real backlog sent straight to
     # it, behind the router's back, and frozen there; the router learns of it from vLLM's /metrics alone.
+    # maxQueue = the engine's batch size: a full batch plus a backlog leaves vllm-0 no headroom (score 0), so
+    # even a busy vllm-1 is the cheaper pick per unit of headroom (adaptive's least-load selection).
     router = await start(vllm, {"strategy": "adaptive", "adaptive": {
-        "weights": {"gpu": 0, "memory": 0, "queue": 1}, "signals": {"queue": "num_requests"}}})
+        "weights": {"gpu": 0, "memory": 0, "queue": 1}, "signals": {"queue": "num_requests"},
+        "maxQueue": MAX_NUM_SEQS}})
     load, frozen = await asyncio.to_thread(freeze_with_backlog, vllm[0].url, min_requests=MAX_NUM_SEQS + 2)
     try:
         backlog = parse_vllm_metrics(frozen)
@@ -242,9 +290,10 @@ async def test_adaptive_router_avoids_the_server_with_a_real_queue(vllm: list[Vl
         assert (seen["num_running"], seen["num_waiting"]) == (backlog.num_running, backlog.num_waiting)
         # Picked one after another: vllm-1's own in-flight count stays below vllm-0's reported backlog.
         async with openai.AsyncOpenAI(base_url=router.ingress_url + "/v1", api_key="unused", max_retries=0) as c:
-            replies = await asyncio.gather(*(
+            # Bounded: a request routed to the frozen vllm-0 would wait there until the resume below.
+            replies = await asyncio.wait_for(asyncio.gather(*(
                 c.completions.with_raw_response.create(model=SERVED_MODEL, prompt="hi", max_tokens=2)
-                for _ in range(MAX_NUM_SEQS)))
+                for _ in range(MAX_NUM_SEQS))), 60)
         assert Counter(raw.headers["x-fleetroute-endpoint"] for raw in replies) == {"vllm-1": MAX_NUM_SEQS}
     finally:
         await router.close()

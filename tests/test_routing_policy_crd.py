@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -87,7 +88,11 @@ def test_the_examples_pass_the_crd_schema_and_the_router(path: Path) -> None:
     assert FakeCRD().admit(obj) == []
     spec = {k: v for k, v in obj["spec"].items() if k != "priority"}  # defaulted by the schema
     parsed = _policy("spec", {**spec, "name": obj["metadata"]["name"]}, PolicyRegistry())
-    assert parsed.strategy == obj["spec"]["strategy"]
+    from router.presets import PRESETS
+
+    # The examples named like a preset build on it; the others spell their policy out.
+    assert parsed.preset == (path.stem if path.stem in PRESETS else None)
+    assert parsed.strategy == (obj["spec"].get("strategy") or parsed.strategy)
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -105,6 +110,15 @@ def test_the_examples_pass_the_crd_schema_and_the_router(path: Path) -> None:
     ({"admission": {"classes": {"gold": {}}, "defaultClass": "silver"}},
      "admission.defaultClass must name one of admission.classes"),
     ({"admission": {"shedStatus": 500}}, "spec.admission.shedStatus: Invalid value: 500 is not one of [429, 503]"),
+    ({"leastConnections": {"loadUnit": "bytes"}}, "spec.leastConnections.loadUnit: Invalid value: 'bytes' is not one of"),
+    ({"admission": {"agingTokensPerSecond": 10}}, "admission.agingTokensPerSecond applies only with order: shortest-expected-first"),
+    ({"cost": {"sessionKey": "cookie:session"}}, "cost.sessionKey must start with header: or body:"),
+    ({"strategy": "composite", "composite": {"scorers": {"gpu": {"weight": 0}}}},
+     "composite scorers need at least one positive weight"),
+    ({"strategy": "composite", "composite": {"scorers": {"load": {"weight": 1}}, "prefix": {"blockChars": 64}}},
+     "composite.prefix configures the prefix index, but no prefix scorer is weighted"),
+    ({"strategy": "composite", "composite": {"scorers": {"vibes": {"weight": 1}}}}, "'vibes' was unexpected"),
+    ({"adaptive": {"choices": "many"}}, "spec.adaptive.choices: Invalid value: 'many' does not match"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 async def test_the_api_server_rejects_a_bad_policy_with_the_schema_message(
     kube: FakeKube, http: aiohttp.ClientSession, spec: dict[str, Any], message: str,
@@ -119,7 +133,9 @@ async def test_defaults_status_subresource_and_generation(kube: FakeKube, http: 
     status, created = await post(http, kube, policy("p", strategy="round-robin", timeouts={}))
     assert status == 201
     assert created["spec"]["models"] == ["*"] and created["spec"]["priority"] == 0
-    assert created["spec"]["timeouts"] == {"connect": "5s", "firstByte": "300s", "idle": "60s"}
+    # Routing fields get no schema default: one stored in the object would override a preset's value as if
+    # the operator had written it. The router fills in what is left out.
+    assert created["spec"] == {"models": ["*"], "priority": 0, "strategy": "round-robin", "timeouts": {}}
     assert created["metadata"]["generation"] == 1
     status, bad = await patch(http, kube, "p/status", {"status": {"observedGeneration": 1, "phase": "x"}})
     assert status == 422 and "'phase' was unexpected" in bad["message"]  # status has a schema too
@@ -129,6 +145,149 @@ async def test_defaults_status_subresource_and_generation(kube: FakeKube, http: 
     assert ignored["status"] == {"observedGeneration": 1}  # the main resource ignores status
     _, changed = await patch(http, kube, "p", {"spec": {"strategy": "least-connections"}})
     assert changed["metadata"]["generation"] == 2
+
+
+# ---- presets -----------------------------------------------------------------------------------------------
+
+
+def _file_policy(name: str, **entry: Any) -> Any:
+    from router.settings import parse_settings
+
+    (spec,) = parse_settings({"policies": [{"name": name, **entry}]}).policies
+    return spec
+
+
+def _spec_policy(obj: dict[str, Any]) -> Any:
+    """What the controller makes of an admitted object's spec (RoutingPolicyController._judge)."""
+    from router.policies.registry import PolicyRegistry
+    from router.settings import _policy
+
+    spec = {k: v for k, v in obj["spec"].items() if k != "priority"}
+    return _policy("spec", {**spec, "name": obj["metadata"]["name"]}, PolicyRegistry())
+
+
+def test_the_crd_offers_exactly_the_routers_presets() -> None:
+    from router import presets
+
+    spec = FakeCRD().schema["properties"]["spec"]
+    assert spec["properties"]["preset"]["enum"] == list(presets.names())
+    for name in presets.names():
+        assert name in spec["properties"]["preset"]["description"]
+    # No routing field has a schema default (one stored in the object would override the preset's value).
+    def defaults(schema: Any) -> bool:
+        if isinstance(schema, dict):
+            return "default" in schema or any(defaults(v) for k, v in schema.items() if k != "default")
+        return isinstance(schema, list) and any(defaults(v) for v in schema)
+
+    assert [key for key, sub in spec["properties"].items() if defaults(sub)] == ["priority", "models"]
+
+
+@pytest.mark.parametrize("name", ["realtime-chat", "batch-generation", "rag-search"])
+def test_every_preset_is_a_valid_routing_policy_and_the_same_policy_as_in_the_file(name: str) -> None:
+    from router import presets
+    from router.policies.registry import PolicyRegistry
+
+    crd = FakeCRD()
+    by_name = policy("p", preset=name, models=["m"])
+    assert crd.admit(by_name) == []
+    assert _spec_policy(by_name) == _file_policy("p", preset=name, models=["m"])
+    # Written out in full, the preset is a valid RoutingPolicy too (every value within the schema and its
+    # CEL rules), and routes the same.
+    blocks = {p.name: p.config_key for p in PolicyRegistry().all()}
+    expanded, _ = presets.expand({"preset": name}, strategy_blocks=blocks)
+    written = policy("p", models=["m"], **copy.deepcopy(expanded))
+    assert crd.admit(written) == []
+    assert _spec_policy(written) == _file_policy("p", preset=name, models=["m"])
+
+
+# Each case touches a CEL rule. The rules judge only what the object says (a preset's values are invisible to
+# the API server), so they must never refuse a spec the router accepts once the preset is expanded.
+CEL_CASES = [
+    ({"preset": "realtime-chat", "outlierDetection": {"maxEjectionTime": "20s"}}, True),  # the preset's base: 10s
+    ({"outlierDetection": {"maxEjectionTime": "20s"}}, False),  # the router's base: 30s
+    ({"preset": "realtime-chat", "outlierDetection": {"baseEjectionTime": "3m"}}, False),  # above the preset's 2m
+    ({"preset": "realtime-chat", "outlierDetection": {"baseEjectionTime": "1m", "maxEjectionTime": "30s"}}, False),
+    ({"preset": "batch-generation", "admission": {"agingTokensPerSecond": 50}}, True),  # the preset's order
+    ({"admission": {"agingTokensPerSecond": 50}}, False),
+    ({"preset": "batch-generation", "admission": {"order": "fifo"}}, False),  # the preset's rate left in
+    ({"preset": "batch-generation", "admission": {"order": "fifo", "agingTokensPerSecond": None}}, True),
+    ({"preset": "batch-generation", "admission": {"order": "fifo", "agingTokensPerSecond": 5}}, False),
+    ({"preset": "realtime-chat", "admission": {"defaultClass": "low"}}, True),  # a class of the preset's
+    ({"preset": "realtime-chat", "admission": {"classes": {"gold": {}}}}, False),  # the preset's default: high
+    ({"preset": "realtime-chat", "admission": {"classes": {"gold": {}}, "defaultClass": "gold"}}, True),
+    ({"preset": "rag-search", "strategy": "consistent-hash", "consistentHash": {"maxLoadFactor": 2}}, True),
+    ({"preset": "rag-search", "consistentHash": {"key": "cookie:tenant"}}, False),
+    ({"preset": "realtime-chat", "adaptive": {"weights": {"gpu": 0, "memory": 0}}}, True),  # queue: 0.1
+    ({"preset": "realtime-chat", "stickiness": {"fallbackKey": None}}, True),
+]
+
+
+@pytest.mark.parametrize(("spec", "accepted"), CEL_CASES, ids=lambda v: json.dumps(v) if isinstance(v, dict) else None)
+def test_the_cel_rules_never_refuse_what_the_router_accepts(spec: dict[str, Any], accepted: bool) -> None:
+    from router.settings import ConfigError
+
+    obj = policy("p", **copy.deepcopy(spec))
+    admitted = FakeCRD().admit(obj) == []
+    try:
+        _spec_policy(obj)
+        parsed = True
+    except ConfigError:
+        parsed = False
+    assert parsed == accepted
+    assert admitted or not parsed  # sound: the API server refuses only what the router would refuse too
+
+
+async def test_preset_routing_policies_route_as_the_same_file_policies(
+    kube: FakeKube, make_engine: MakeEngine, make_router: MakeRouter, tmp_path: Path,
+) -> None:
+    engines = [await make_engine("vllm-0")]
+    specs = {
+        "chat": {"models": ["chat-*"], "preset": "realtime-chat", "timeouts": {"firstByte": "5s"}},
+        "batch": {"models": ["batch-*"], "preset": "batch-generation", "admission": {"maxConcurrentPerEndpoint": 8}},
+        "rag": {"models": ["rag-*"], "preset": "rag-search", "strategy": "consistent-hash"},
+        # The preset written out, classes included: the API server stores keys in alphabetical order.
+        "chat-written": {"models": ["written-*"], **_expanded("realtime-chat")},
+    }
+    for name, spec in specs.items():
+        kube.create("routingpolicies", policy(name, **copy.deepcopy(spec)), namespace=NS)
+    router = await start(make_router, kube, tmp_path, engines, identity="router-a")
+    balancer = router.ctx.balancer
+    for name, model in (("chat", "chat-1"), ("batch", "batch-1"), ("rag", "rag-1")):
+        assert balancer.policy_for(model) == _file_policy(name, **specs[name]), name
+        assert balancer.policy_for(model).preset == specs[name]["preset"]
+    # A preset's classes keep the ranks they were written in: the router expands it after the API server.
+    assert [c.name for c in balancer.policy_for("chat-1").admission.classes] == ["high", "normal", "low"]
+    # Written out in a RoutingPolicy, the same classes rank alphabetically (docs/kubernetes.md warns).
+    assert [c.name for c in balancer.policy_for("written-1").admission.classes] == ["high", "low", "normal"]
+    registry = router.ctx.metrics.registry
+    assert registry.get_sample_value("fleetroute_policy_info", {
+        "policy": "rag", "strategy": "consistent-hash", "preset": "rag-search"}) == 1.0
+    await until(router, lambda: condition(kube, "batch", "Ready").get("reason") == "Applied")
+
+
+def _expanded(name: str) -> dict[str, Any]:
+    from router import presets
+    from router.policies.registry import PolicyRegistry
+
+    blocks = {p.name: p.config_key for p in PolicyRegistry().all()}
+    return presets.expand({"preset": name}, strategy_blocks=blocks)[0]
+
+
+async def test_a_preset_spec_the_router_refuses_says_why_in_status(
+    kube: FakeKube, make_engine: MakeEngine, make_router: MakeRouter, http: aiohttp.ClientSession, tmp_path: Path,
+) -> None:
+    engines = [await make_engine("vllm-0")]
+    router = await start(make_router, kube, tmp_path, engines, identity="router-a")
+    status, body = await post(http, kube, policy("typo", preset="realtime-chatt"))
+    assert status == 422 and "spec.preset: Invalid value: 'realtime-chatt' is not one of" in body["message"]
+    # The schema cannot see the preset's defaultClass (high): the router can, and reports it in status.
+    status, _ = await post(http, kube, policy("chat", models=[MODEL], preset="realtime-chat",
+                                              admission={"classes": {"gold": {}, "silver": {}}}))
+    assert status == 201
+    await until(router, lambda: condition(kube, "chat", "Accepted").get("reason") == "Invalid")
+    assert condition(kube, "chat", "Accepted")["message"] == (
+        "spec (preset realtime-chat).admission.defaultClass: must be one of the classes (gold, silver); got 'high'")
+    assert condition(kube, "chat", "Ready")["reason"] == "NotInEffect"
 
 
 # ---- routers watching RoutingPolicies ----------------------------------------------------------------------
@@ -315,11 +474,12 @@ async def test_kubectl_apply_get_and_watch_routing_policies(
     rc, out = await kubectl(env, "get", "rp")
     assert rc == 0, out
     lines = [line.split() for line in out.strip().splitlines()]
-    assert lines[0] == ["NAME", "STRATEGY", "MODELS", "ACCEPTED", "AGE"]
+    assert lines[0] == ["NAME", "PRESET", "STRATEGY", "MODELS", "ACCEPTED", "AGE"]
     rows = {line[0]: line[1:] for line in lines[1:]}
-    assert rows["rag-search"][:3] == ["consistent-hash", "rag-*,mistral-7b-instruct", "True"]
-    assert rows["batch-generation"][:2] == ["least-connections", "batch-*"]
-    assert rows["realtime-chat"][0] == "adaptive" and len(rows["realtime-chat"]) == 3  # not judged yet: no Accepted
+    # The examples write no strategy (the preset's applies): empty cells, which split() drops.
+    assert rows["rag-search"][:3] == ["rag-search", "rag-*,mistral-7b-instruct", "True"]
+    assert rows["batch-generation"][:2] == ["batch-generation", "batch-*"]
+    assert rows["realtime-chat"][0] == "realtime-chat" and len(rows["realtime-chat"]) == 3  # not judged: no Accepted
 
     # kubectl get -w: the list, then a line per change; stopped after the first change arrives.
     watch = await asyncio.create_subprocess_exec(str(KUBECTL), "get", "rp", "realtime-chat", "-w", env=env,
@@ -329,7 +489,7 @@ async def test_kubectl_apply_get_and_watch_routing_policies(
         async with asyncio.timeout(30):
             header = (await watch.stdout.readline()).decode().split()
             first = (await watch.stdout.readline()).decode().split()
-            assert header[:4] == ["NAME", "STRATEGY", "MODELS", "ACCEPTED"] and first[:2] == ["realtime-chat", "adaptive"]
+            assert header[:4] == ["NAME", "PRESET", "STRATEGY", "MODELS"] and first[:2] == ["realtime-chat"] * 2
             await kube.wait_for_request(lambda r: r.watch and r.path.endswith("/routingpolicies"))
             obj = copy.deepcopy(kube.get("routingpolicies", NS, "realtime-chat"))
             obj["spec"]["strategy"] = "least-connections"
@@ -338,4 +498,4 @@ async def test_kubectl_apply_get_and_watch_routing_policies(
     finally:
         watch.kill()
         await watch.wait()
-    assert changed[:2] == ["realtime-chat", "least-connections"]
+    assert changed[:3] == ["realtime-chat", "realtime-chat", "least-connections"]

@@ -71,16 +71,19 @@ def test_empty_file_gives_defaults() -> None:
         ("endpoints[0].id", ..., "endpoints[0].id: is required"),
         ("endpoints[0].id", "gpu 0", "endpoints[0].id: must be letters, digits"),
         ("endpoints[0].models", [], "endpoints[0].models: must be a non-empty list of model names"),
-        ("endpoints[0].weight", 3, "endpoints[0].weight: unknown field (expected one of: id, models, url)"),
-        ("policies[0].strategy", "random", "policies[0].strategy: must be one of adaptive, consistent-hash, least-connections, prefix-aware, round-robin; got 'random'"),
+        ("endpoints[0].weight", 0, "endpoints[0].weight: must be > 0.0 and <= 1000.0, got 0"),
+        # YAML's .inf and .nan are numbers to the parser; every number field refuses them.
+        ("endpoints[0].weight", float("nan"), "endpoints[0].weight: must be a number, got nan"),
+        ("endpoints[0].tags", 3, "endpoints[0].tags: unknown field (expected one of: id, models, url, weight)"),
+        ("policies[0].strategy", "random", "policies[0].strategy: must be one of adaptive, composite, consistent-hash, least-connections, prefix-aware, round-robin; got 'random'"),
         ("policies[0].name", "Default Policy", "policies[0].name: must be a lower-case DNS label"),
-        ("policies[0].adaptive.weights.gpu", "high", "policies[0].adaptive.weights.gpu: must be a number, got 'high'"),
+        ("policies[0].adaptive.weights.gpu", "high", "policies[0].adaptive.weights.gpu: must be a number >= 0.0 and <= 1000.0, got 'high'"),
         ("policies[0].adaptive.maxQueue", -1, "policies[0].adaptive.maxQueue: must be >= 1, got -1"),
         ("policies[0].adaptive.bogus", 1, "policies[0].adaptive.bogus: unknown parameter"),
         ("policies[0].consistentHash.key", "cookie:x", "policies[0].consistentHash.key: must look like 'header:<name>' or 'body:<field>'"),
         ("policies[0].roundRobin", [1], "policies[0].roundRobin: must be a mapping"),
         ("policies[0].roundRobin", {"x": 1}, "policies[0].roundRobin.x: unknown parameter (this strategy takes no parameters)"),
-        ("policies[0].consistenthash", {}, "policies[0].consistenthash: unknown field (expected one of: adaptive, admission, circuitBreaker, consistentHash,"),
+        ("policies[0].consistenthash", {}, "policies[0].consistenthash: unknown field (expected one of: adaptive, admission, circuitBreaker, composite, consistentHash,"),
         ("policies[0].timeouts", {"connect": "soon"}, "policies[0].timeouts.connect: must be a positive duration like 2s, 500ms or 1.5, got 'soon'"),
         ("policies[0].retries", {"attempts": 0}, "policies[0].retries.attempts: must be between 1 and 10, got 0"),
         ("policies[0].models", "llama", "policies[0].models: must be a non-empty list"),
@@ -172,3 +175,18 @@ def test_cli_help_documents_the_configuration(tmp_path: Path) -> None:
     assert result.returncode == 0
     for word in ("--config", "--workers", "strategy:", "consistentHash", "maxBodyBytes", "FLEETROUTE_LISTEN_PORT"):
         assert word in result.stdout
+
+
+@pytest.mark.parametrize("policy", [
+    {"stickiness": {"maxLoadFactor": float("inf")}},
+    {"strategy": "consistent-hash", "consistentHash": {"maxLoadFactor": float("nan")}},
+    {"retries": {"minRetriesPerSecond": float("inf")}},
+    {"slowStart": {"aggression": float("nan")}},
+    {"strategy": "prefix-aware", "prefixAware": {"sigmaK": float("inf")}},
+    {"adaptive": {"weights": {"gpu": float("inf")}}},
+], ids=lambda p: next(iter(p.values())) if len(p) == 1 else p["strategy"])
+def test_non_finite_numbers_are_config_errors_not_failures_at_request_time(policy) -> None:
+    # A NaN passes every comparison and an infinity overflows math.ceil on the pick path: refused here.
+    with pytest.raises(ConfigError, match=r"must be a number"):
+        parse_settings({"endpoints": [{"id": "a", "url": "http://127.0.0.1:1", "models": ["m"]}],
+                        "policies": [{"name": "p", **policy}], "redis": {"url": None}})

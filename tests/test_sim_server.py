@@ -5,49 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from aiohttp import web
 
 from router.app import build_context, start_router
 from router.settings import parse_settings
-from worker.sim.engine import EngineConfig, EngineCore
-from worker.sim.profiles import profile
-from worker.sim.server import SimServer, SimSettings
+from tests.sim_server import MODEL
+from worker.sim.tokenizer import render_chat, tokenize
 from worker.vllm_metrics import parse_vllm_metrics
-
-MODEL = "sim-model"
-
-
-class RunningSim:
-    def __init__(self, server: SimServer, runner: web.AppRunner, url: str) -> None:
-        self.server, self.runner, self.url = server, runner, url
-
-
-@pytest.fixture
-async def make_sim() -> AsyncIterator[Callable[..., Awaitable[RunningSim]]]:
-    started: list[RunningSim] = []
-
-    async def make(*, gpu: str = "h100", time_scale: float = 0.05, fault_injection: bool = True, **engine: Any) -> RunningSim:
-        config = EngineConfig(**engine)
-        settings = SimSettings(model=MODEL, profile=profile(gpu), engine=config, time_scale=time_scale,
-                               max_model_len=2048, fault_injection=fault_injection)
-        server = SimServer(settings, EngineCore(profile(gpu), config, random.Random(0)))
-        runner = web.AppRunner(server.build_app(), handler_cancellation=True, shutdown_timeout=0.5)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        sim = RunningSim(server, runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
-        started.append(sim)
-        return sim
-
-    yield make
-    for sim in started:
-        await sim.runner.cleanup()
 
 
 @pytest.fixture
@@ -142,6 +111,58 @@ async def test_bad_requests_get_vllm_style_errors(make_sim, http, body, status, 
     async with http.post(sim.url + "/v1/completions", json=body) as resp:
         assert resp.status == status
         assert fragment in (await resp.json())["message"]
+
+
+async def test_tokenize_gives_the_prompt_tokens_the_engine_processes(make_sim, http) -> None:
+    # vllm-router's cache_aware builds its prefix tree from these ids (on a vLLM without render endpoints):
+    # they must be the ones the completion endpoints feed the engine, chat template included.
+    sim = await make_sim()
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}]
+    for tokenize_body, completion_path, completion_body in (
+        ({"model": MODEL, "prompt": "once upon a time"}, "/v1/completions", {"prompt": "once upon a time"}),
+        ({"model": MODEL, "messages": messages}, "/v1/chat/completions", {"messages": messages}),
+    ):
+        async with http.post(sim.url + "/tokenize", json={**tokenize_body, "return_token_strs": True}) as resp:
+            assert resp.status == 200
+            tok = await resp.json()
+        async with http.post(sim.url + completion_path, json={"model": MODEL, "max_tokens": 1, **completion_body}) as resp:
+            usage = (await resp.json())["usage"]
+        assert tok["count"] == len(tok["tokens"]) == usage["prompt_tokens"]
+        assert tok["max_model_len"] == 2048
+        text = render_chat(messages) if "messages" in tokenize_body else "once upon a time"
+        assert tok["tokens"] == tokenize(text) and "".join(tok["token_strs"]) == text
+
+
+async def test_tokenize_takes_vllms_chat_options_and_rejects_what_vllm_rejects(make_sim, http) -> None:
+    sim = await make_sim()
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def tokens(**body: Any) -> list[int]:
+        async with http.post(sim.url + "/tokenize", json=body) as resp:
+            assert resp.status == 200
+            return (await resp.json())["tokens"]
+
+    with_prompt = await tokens(messages=messages)  # no model: vLLM allows it
+    assert await tokens(messages=messages, add_generation_prompt=False) == tokenize(
+        render_chat(messages, add_generation_prompt=False))
+    assert len(await tokens(messages=messages, add_generation_prompt=False)) < len(with_prompt)
+    for body, status, fragment in (
+        ({"messages": messages, "add_generation_prompt": True, "continue_final_message": True}, 400, "Cannot set both"),
+        ({"model": "other", "prompt": "x"}, 404, "does not exist"),
+        ({"model": MODEL}, 400, "`prompt` (a string) or `messages`"),
+        ({"model": MODEL, "messages": []}, 400, "non-empty list"),
+    ):
+        async with http.post(sim.url + "/tokenize", json=body) as resp:
+            assert (resp.status, fragment in (await resp.json())["message"]) == (status, True), body
+
+
+@pytest.mark.parametrize("path", ["/v1/completions/render", "/v1/chat/completions/render"])
+async def test_render_endpoints_answer_like_vllm_without_scale_out(make_sim, http, path) -> None:
+    sim = await make_sim()
+    async with http.post(sim.url + path, json={"model": MODEL, "prompt": "x"}) as resp:
+        assert resp.status == 403
+        body = await resp.json()
+    assert body["type"] == "PermissionDeniedError" and "--enable-scale-out" in body["message"]
 
 
 async def test_fault_injection_errors_unhealthy_hang_and_reset(make_sim, http) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.sim.tokenizer import VOCAB_SIZE, render_chat, tokenize
+from worker.sim.tokenizer import VOCAB_SIZE, render_chat, token_pieces, tokenize
 
 PROSE = (
     "Routing is the art of sending each request to the engine best placed to serve it. In a fleet of GPUs "
@@ -65,3 +65,20 @@ def test_content_parts_render_like_the_equivalent_string() -> None:
 def test_render_chat_rejects_malformed_messages_naming_the_place(messages: object, error: str) -> None:
     with pytest.raises(ValueError, match=error):
         render_chat(messages)  # type: ignore[arg-type]
+
+
+def test_token_pieces_spell_the_text_one_token_each() -> None:
+    text = "The quick brown fox, extraordinarily quick!\n\n  done"
+    pieces = token_pieces(text)
+    assert "".join(pieces) == text  # nothing lost or added: vLLM's token_strs concatenate to the text too
+    assert [tokenize(p) for p in pieces] == [[i] for i in tokenize(text)]  # each piece is one token, same id
+
+
+def test_generation_prompt_and_continued_final_message_follow_hf_chat_template_options() -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    full = render_chat(messages)
+    bare = render_chat(messages, add_generation_prompt=False)
+    open_last = render_chat(messages, continue_final_message=True)
+    assert full.startswith(bare) and full.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert bare.endswith("Hel<|eot_id|>")  # no header for a new answer
+    assert open_last.endswith("Hel") and bare.startswith(open_last)  # the answer continues the last message

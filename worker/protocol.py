@@ -28,7 +28,13 @@ Fields (all strings, as Redis stores them; a signal the agent could not read is 
     num_waiting       vllm:num_requests_waiting
     num_running       vllm:num_requests_running
     prefix_cache_hit_rate  0..1, hits/queries over the last interval
+    prefix_cache_queries_total, prefix_cache_hits_total
+                      vllm:prefix_cache_{queries,hits}_total, tokens, cumulative (routers compute hit rates
+                      over their own windows from them)
     preemptions_total vllm:num_preemptions_total
+    kv_capacity_tokens  tokens the engine's KV cache holds (vllm:cache_config_info: kv_cache_size_tokens,
+                      else num_gpu_blocks x block_size; summed over data-parallel engines). Optional: agents
+                      before it simply leave it out, and readers that predate it ignore it.
 
 The TTL is a few intervals, so a dead agent's record disappears by itself rather than lying. Routers also
 judge age from `reported_at` and treat old records as unknown.
@@ -83,6 +89,7 @@ class EngineSample:
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
     preemptions_total: float | None = None
+    kv_capacity_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,7 @@ _ENGINE_FIELDS = {
     "prefix_cache_queries": "prefix_cache_queries_total",
     "prefix_cache_hits": "prefix_cache_hits_total",
     "preemptions_total": "preemptions_total",
+    "kv_capacity_tokens": "kv_capacity_tokens",
 }
 _INT_FIELDS = {"mem_used_bytes", "mem_total_bytes", "throttle_reasons", "xid_errors", "ecc_uncorrected",
                "retired_pages"}
@@ -170,7 +178,13 @@ def decode(raw: Mapping[str, str]) -> TelemetryRecord:
             gpu_kwargs[name] = int(value) if value is not None and name in _INT_FIELDS else value
     engine_kwargs: dict[str, object] = {}
     for name, key in _ENGINE_FIELDS.items():
-        engine_kwargs[name] = raw.get(key) == "1" if name == "up" else _float(raw, key)
+        if name == "up":
+            engine_kwargs[name] = raw.get(key) == "1"
+        elif name == "kv_capacity_tokens":
+            value = _float(raw, key)
+            engine_kwargs[name] = int(value) if value is not None and value > 0 else None
+        else:
+            engine_kwargs[name] = _float(raw, key)
     return TelemetryRecord(
         endpoint_id=raw["endpoint_id"],
         reported_at=float(raw["reported_at"]),

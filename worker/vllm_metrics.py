@@ -12,6 +12,9 @@ vLLM's series, across versions (V0 `vllm/engine/metrics.py`, V1 `vllm/v1/metrics
     vllm:prefix_cache_queries_total    counter  tokens looked up in the prefix cache (V1)
     vllm:prefix_cache_hits_total       counter  of which found (V1)
     vllm:num_preemptions_total         counter  preemptions
+    vllm:cache_config_info             gauge    1, with the cache configuration as labels: the KV capacity
+                                                is `kv_cache_size_tokens` where present (vLLM 0.32), else
+                                                `num_gpu_blocks` x `block_size` (label values may be "None")
 
 Series carry labels (`model_name`, `engine` for data-parallel ranks): counts are summed across series,
 the usage fraction is averaged. A family that is missing (older or newer vLLM, a renamed series) leaves its
@@ -31,9 +34,10 @@ KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
 PREEMPTIONS = "vllm:num_preemptions"
-_FAMILIES = (WAITING, RUNNING, *KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS)
+CACHE_CONFIG = "vllm:cache_config_info"
+_FAMILIES = (WAITING, RUNNING, *KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS, CACHE_CONFIG)
 _SAMPLE_NAMES = {WAITING, RUNNING, *KV_USAGE, f"{PREFIX_QUERIES}_total", f"{PREFIX_HITS}_total",
-                 f"{PREEMPTIONS}_total"}
+                 f"{PREEMPTIONS}_total", CACHE_CONFIG}
 
 
 def _relevant_lines(text: str) -> str:
@@ -50,18 +54,39 @@ def _relevant_lines(text: str) -> str:
     return "\n".join(keep) + "\n"
 
 
+def _positive_int(labels: dict[str, str], name: str) -> int | None:
+    try:
+        value = int(labels.get(name, ""))
+    except ValueError:  # "None", absent, or not a number
+        return None
+    return value if value > 0 else None
+
+
+def kv_capacity_tokens(labels: dict[str, str]) -> int | None:
+    """One engine's KV-cache capacity in tokens from its `cache_config_info` labels, or None if unknown."""
+    tokens = _positive_int(labels, "kv_cache_size_tokens")
+    if tokens is not None:
+        return tokens
+    blocks, block_size = _positive_int(labels, "num_gpu_blocks"), _positive_int(labels, "block_size")
+    return blocks * block_size if blocks is not None and block_size is not None else None
+
+
 def parse_vllm_metrics(text: str) -> EngineSample:
     """An `EngineSample` from a metrics page; raises ValueError if the page is not Prometheus text."""
     values: dict[str, list[float]] = {}
+    capacities: list[int | None] = []
     for family in text_string_to_metric_families(_relevant_lines(text)):
         for sample in family.samples:
-            if sample.name in _SAMPLE_NAMES:
+            if sample.name == CACHE_CONFIG:
+                capacities.append(kv_capacity_tokens(sample.labels))
+            elif sample.name in _SAMPLE_NAMES:
                 values.setdefault(sample.name.removesuffix("_total"), []).append(float(sample.value))
 
     def total(name: str) -> float | None:
         return sum(values[name]) if name in values else None
 
     kv = next((values[name] for name in KV_USAGE if name in values), None)
+    known = [c for c in capacities if c is not None]
     return EngineSample(
         up=True,
         kv_cache_usage=sum(kv) / len(kv) if kv else None,
@@ -70,4 +95,7 @@ def parse_vllm_metrics(text: str) -> EngineSample:
         prefix_cache_queries=total(PREFIX_QUERIES),
         prefix_cache_hits=total(PREFIX_HITS),
         preemptions_total=total(PREEMPTIONS),
+        # Data-parallel engines each have their own cache: the endpoint holds their sum. One rank with an
+        # unreadable configuration makes the whole capacity unknown rather than understated.
+        kv_capacity_tokens=sum(known) if known and len(known) == len(capacities) else None,
     )

@@ -7,8 +7,10 @@ effect stay as they are (the last good set) and the failure is counted and logge
 
 **Conversion.** Each object's spec goes through the config file's policy parser (`settings._policy`), with
 `name` set to the object's name and `priority` taken out: a RoutingPolicy spec is exactly one `policies:`
-entry. A spec the parser refuses (it passed the CRD schema but not the router's checks) is not applied: the
-previous good version of that policy stays in effect, or none if there never was one.
+entry, `preset` included (router/presets.py expands it inside the parser, so a preset-based spec and the
+same file entry give the same PolicySpec). A spec the parser refuses (it passed the CRD schema but not the
+router's checks) is not applied: the previous good version of that policy stays in effect, or none if there
+never was one.
 
 **Merge.** The effective policy list is the accepted RoutingPolicies, higher `spec.priority` first and equal
 priorities in name order, then the file's `policies:` in file order, minus any file policy a RoutingPolicy of
@@ -183,10 +185,12 @@ class RoutingPolicyController:
             return
         ctx.settings = replace(ctx.settings, policies=policies)
         ctx.balancer.set_policies(policies)
+        ctx.metrics.set_policies(policies)
         sync_sticky_tables(ctx)
         if ctx.http is not None:
             sync_health_checks(ctx)
-        log.info("routing policies applied", extra={"policies": [p.name for p in policies]})
+        log.info("routing policies applied", extra={"policies": [p.name for p in policies],
+                                                    "presets": {p.name: p.preset for p in policies if p.preset}})
 
     def _judge(self, name: str, obj: dict[str, Any]) -> None:
         """Parse one object's spec (once per spec), keep it if good, record the outcome."""
@@ -216,7 +220,8 @@ class RoutingPolicyController:
             outcome = Outcome(generation, True, "", generation)
             self._reloads.labels("applied").inc()
             log.info("RoutingPolicy accepted", extra={"policy": name, "generation": generation,
-                                                      "strategy": parsed.strategy, "models": list(parsed.models)})
+                                                      "strategy": parsed.strategy, "preset": parsed.preset,
+                                                      "models": list(parsed.models)})
         self._parsed[name] = (text, outcome)
         self.outcomes[name] = outcome
 

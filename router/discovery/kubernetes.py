@@ -105,6 +105,7 @@ class SliceEndpoint:
     pod_uid: str | None
     label_models: tuple[str, ...]  # from the slice's model label
     ipv6: bool
+    weight: float = 1.0  # from the slice's weight label (its Service's): relative capacity
 
     @property
     def pod_key(self) -> str | None:
@@ -127,6 +128,21 @@ def endpoint_state(conditions: Any) -> EndpointState:
     return EndpointState.SERVING if routable else EndpointState.DRAINING
 
 
+def parse_weight(value: str | None) -> float:
+    """A weight label's value (`1.8`); absent or unusable: 1 (a label value cannot be validated at apply
+    time, so a bad one is logged, never fatal)."""
+    if value is None:
+        return 1.0
+    try:
+        weight = float(value)
+    except ValueError:
+        weight = -1.0
+    if not 0 < weight <= 1000:
+        log.warning("ignoring an invalid endpoint weight label (want a number in (0, 1000])", extra={"value": value})
+        return 1.0
+    return weight
+
+
 def slice_port(ports: Sequence[Any] | None, wanted: str | int | None) -> int | None:
     """The port number to use: `wanted` if a number, the port named `wanted`, else the first port."""
     if isinstance(wanted, int):
@@ -141,6 +157,7 @@ def slice_endpoints(obj: Any, settings: KubernetesDiscoverySettings) -> tuple[li
     """The endpoints of one `V1EndpointSlice`, and why there are none when a port is missing."""
     labels = (obj.metadata.labels if obj.metadata is not None else None) or {}
     label_models = parse_models(labels.get(settings.model_label)) if settings.model_label else ()
+    weight = parse_weight(labels.get(settings.weight_label)) if settings.weight_label else 1.0
     endpoints = obj.endpoints or []
     port = slice_port(obj.ports, settings.port)
     if port is None:
@@ -164,6 +181,7 @@ def slice_endpoints(obj: Any, settings: KubernetesDiscoverySettings) -> tuple[li
             pod_uid=(ref.uid or None) if is_pod else None,
             label_models=label_models,
             ipv6=ipv6,
+            weight=weight,
         ))
     return out, None
 
@@ -464,7 +482,7 @@ class KubernetesDiscovery:
                 self._warn_once("models", entry.id, "discovered endpoint has no model (no annotation, label or "
                                 "configured models); it is not used", endpoint=entry.id, pod=entry.pod)
                 continue
-            endpoints.append(Endpoint(id=entry.id, url=entry.url, models=models))
+            endpoints.append(Endpoint(id=entry.id, url=entry.url, models=models, weight=entry.weight))
             states[entry.id] = entry.state
         pods = {e.pod_key for e in current}
         for gone in set(self._pod_models) - pods:

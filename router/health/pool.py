@@ -69,6 +69,10 @@ class PoolHealth:
             return "breaker_open"
         return None
 
+    def excluded_reason(self, endpoint_id: str) -> str | None:
+        """Why the endpoint was left out of the pool at the last snapshot build (None: it was not)."""
+        return self._excluded.get(endpoint_id)
+
     def admit(self, model: str, views: tuple[EndpointView, ...], now: float) -> tuple[EndpointView, ...]:
         self.outlier.expire(now)
         healthy = []
@@ -91,7 +95,7 @@ class PoolHealth:
                     self._metrics.breaker_transitions.labels(self.policy, view.id, state.value).inc()
                     log.warning("circuit breaker " + state.value.replace("_", "-"),
                                 extra={"policy": self.policy, "endpoint": view.id})
-                self._metrics.breaker_state.labels(self.policy, view.id).set(breaker_codes[state])
+                self._metrics.child(self._metrics.breaker_state, self.policy, view.id).set(breaker_codes[state])
             if reason is None:
                 healthy.append(view)
         ids = {v.id for v in healthy}
@@ -114,7 +118,7 @@ class PoolHealth:
         out = []
         for view in healthy:
             factor = self.slow_start.factor(view.id, now)
-            self._metrics.slow_start_weight.labels(self.policy, view.id).set(factor)
+            self._metrics.child(self._metrics.slow_start_weight, self.policy, view.id).set(factor)
             out.append(view if factor == 1.0 else replace(view, weight_factor=factor))
         return tuple(out)
 

@@ -3,18 +3,34 @@
     w = W_gpu * (1 - gpu_util) + W_mem * (1 - mem_util) + W_queue * (1 - queue / maxQueue)
 
 with defaults W = (0.6, 0.3, 0.1) (normalised to sum to 1) and maxQueue = 32, each term clamped to [0, 1];
-`queue` is the engine's reported waiting requests plus this router's own in-flight requests there (see
-`scorers.queue_free`), and `mem_util` is the KV-cache usage when the telemetry comes from vLLM's `/metrics`.
-An endpoint without fresh telemetry for a signal gets the mean of the other endpoints' scores for it
-(neutral), counted as the `telemetry_unknown` policy event when such an endpoint is picked. The total is
-multiplied by the endpoint's slow-start weight factor.
+`mem_util` is the KV-cache usage when the telemetry comes from vLLM's `/metrics` and `queue` the engine's
+reported waiting requests. An endpoint without fresh telemetry for a signal gets the mean of the other
+endpoints' scores for it (neutral), counted as the `telemetry_unknown` policy event when such an endpoint is
+picked. The total is multiplied by the endpoint's slow-start weight factor.
 
-Selection is power-of-`choices` (default 2): sample that many distinct candidates uniformly and take the
-best score. Taking the global argmax instead would send every router replica, all reading the same lagging
-telemetry, to the same GPU until the next report (herding); with two random choices the best endpoint
-wins only the pairs it is drawn into, the worst never wins, and local in-flight counts break the lag
-(Mitzenmacher's power of two choices; Envoy least_request, Finagle P2C). `choices: 1` is random,
-a large `choices` approaches argmax.
+Selection (`selection`, from a random sample of `choices` candidates, default 2; `choices: all` scans them
+all):
+
+- `least-load` (the default): the least `(load + 1) / w`, load per unit of headroom, where load is this
+  router's in-flight requests at the endpoint (Envoy's weighted least-request). w comes from telemetry that
+  is up to one report interval old; the load is exact and grows with every request sent, so however stale
+  w is, an endpoint that has just been sent many requests stops winning at once.
+- `best-score`: the highest score, ties to the less loaded, with this router's in-flight requests added to
+  the reported queue (`scorers.queue_free`) as the only correction for stale telemetry. This was adaptive's
+  rule until the load-test lab measured it (docs/benchmarks.md): at 400 requests per report interval, the
+  queue term (a tenth of the score, saturating at maxQueue) cannot offset a GPU-utilisation gap, so every
+  request between two reports went to the GPUs that looked idle at the last one: on a heterogeneous fleet
+  its P99 TTFT was worse than round-robin's.
+
+Sampling two candidates rather than taking the global argmax keeps router replicas that read the same
+telemetry from herding onto one GPU (Mitzenmacher's power of two choices; Envoy least_request, Finagle P2C).
+
+With `loadUnit: tokens` the load is counted in request-equivalents of predicted cost instead of requests:
+`in_flight_cost / mean_request_cost` (router/cost.py; the mean over the requests this router started
+recently), so a router holding one 30k-token document at an endpoint counts it as the tens of average
+requests it is, while `maxQueue` keeps its meaning. The engine's reported queue stays a request count.
+
+adaptive is the composite strategy (router/policies/composite.py) with three telemetry scorers.
 """
 
 from __future__ import annotations
@@ -24,9 +40,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.model import COUNT_SIGNALS, FRACTION_SIGNALS, EndpointView, RequestInfo
-from router.policies.base import EventSink, LoadView, PolicyConfigError, reject_unknown
-from router.policies.scorers import clamp, free_fraction, neutral_fill, queue_free
+from router.model import COUNT_SIGNALS, FRACTION_SIGNALS, EndpointView
+from router.policies.base import (
+    EventSink,
+    PolicyConfigError,
+    finite_number,
+    parse_load_unit,
+    reject_unknown,
+    whole_number,
+)
+from router.policies.composite import PICKS, CompositeConfig, CompositePicker, Scorer, parse_choices
 
 DEFAULT_WEIGHTS = {"gpu": 0.6, "memory": 0.3, "queue": 0.1}
 # Which telemetry signal feeds each term. "memory" is the KV cache, not GPU memory: vLLM pre-allocates
@@ -40,69 +63,26 @@ class AdaptiveConfig:
     memory_weight: float = 0.3
     queue_weight: float = 0.1
     max_queue: int = 32
-    choices: int = 2
+    choices: int | None = 2  # None: all
     gpu_signal: str = "gpu_util"
     memory_signal: str = "kv_cache_usage"
     queue_signal: str = "num_waiting"
+    load_unit: str = "requests"
+    selection: str = "least-load"
 
+    @property
+    def needs_cost(self) -> bool:
+        """Whether requests must carry a cost estimate (read by settings.py to turn estimation on)."""
+        return self.load_unit == "tokens"
 
-def _number(value: Any, field: str, *, minimum: float, integer: bool = False) -> Any:
-    ok_type = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, ok_type):
-        kind = "an integer" if integer else "a number"
-        raise PolicyConfigError(field, f"must be {kind}, got {value!r}")
-    if value < minimum:
-        raise PolicyConfigError(field, f"must be >= {minimum}, got {value!r}")
-    return value
-
-
-class AdaptivePicker:
-    __slots__ = ("_views", "_static", "_reported_queue", "_config", "_rng", "_events")
-
-    def __init__(
-        self,
-        views: tuple[EndpointView, ...],
-        config: AdaptiveConfig,
-        rng: random.Random,
-        events: EventSink,
-    ) -> None:
-        self._views = views
-        self._config = config
-        self._rng = rng
-        self._events = events
-        gpu = neutral_fill({v.id: free_fraction(v, config.gpu_signal) for v in views})
-        mem = neutral_fill({v.id: free_fraction(v, config.memory_signal) for v in views})
-        # The telemetry part of the score is fixed for this snapshot; only the local in-flight part of the
-        # queue term changes between picks, so it is the only thing computed per request.
-        self._static = {
-            v.id: config.gpu_weight * gpu[v.id] + config.memory_weight * mem[v.id] for v in views
-        }
-        self._reported_queue = neutral_fill(
-            {v.id: v.telemetry.signal(config.queue_signal) if v.telemetry is not None else None for v in views},
-            default=0.0,
+    @property
+    def composite(self) -> CompositeConfig:
+        """The same policy as composite scorers (how it is built)."""
+        return CompositeConfig(
+            scorers=(Scorer("gpu", self.gpu_weight, self.gpu_signal), Scorer("memory", self.memory_weight,
+                     self.memory_signal), Scorer("queue", self.queue_weight, self.queue_signal, self.max_queue)),
+            pick=self.selection, choices=self.choices, load_unit=self.load_unit,
         )
-
-    def score(self, view: EndpointView, in_flight: int) -> float:
-        c = self._config
-        queue = c.queue_weight * queue_free(self._reported_queue[view.id], in_flight, c.max_queue)
-        return clamp(self._static[view.id] + queue) * view.weight_factor
-
-    def pick(self, req: RequestInfo, loads: LoadView, exclude: frozenset[str]) -> EndpointView | None:
-        candidates = [v for v in self._views if v.id not in exclude] if exclude else self._views
-        if not candidates:
-            return None
-        # A random draw (a shuffle when the pool is no larger than `choices`) so that exact ties are broken
-        # at random, never by list order.
-        sample = self._rng.sample(candidates, min(self._config.choices, len(candidates)))
-        best, best_score, best_load = None, -1.0, 0
-        for view in sample:
-            load = loads.in_flight(view.id)
-            s = self.score(view, load)
-            if s > best_score or (s == best_score and load < best_load):
-                best, best_score, best_load = view, s, load
-        if best is not None and best.telemetry is None:
-            self._events("telemetry_unknown")
-        return best
 
 
 class AdaptivePolicy:
@@ -110,7 +90,10 @@ class AdaptivePolicy:
     config_key = "adaptive"
 
     def parse(self, params: Mapping[str, Any]) -> AdaptiveConfig:
-        reject_unknown(params, {"weights", "maxQueue", "choices", "signals"})
+        reject_unknown(params, {"weights", "maxQueue", "choices", "signals", "loadUnit", "selection"})
+        selection = params.get("selection", "least-load")
+        if selection not in PICKS:
+            raise PolicyConfigError("selection", f"must be one of {', '.join(PICKS)}, got {selection!r}")
         signals = params.get("signals", {})
         if not isinstance(signals, Mapping):
             raise PolicyConfigError("signals", f"must map gpu/memory/queue to signal names, got {signals!r}")
@@ -128,7 +111,8 @@ class AdaptivePolicy:
         for key in weights:
             if key not in DEFAULT_WEIGHTS:
                 raise PolicyConfigError(f"weights.{key}", "unknown weight (expected one of: gpu, memory, queue)")
-        w = {k: _number(weights.get(k, d), f"weights.{k}", minimum=0.0) for k, d in DEFAULT_WEIGHTS.items()}
+        w = {k: finite_number(weights.get(k, d), f"weights.{k}", minimum=0.0, maximum=1000.0)
+             for k, d in DEFAULT_WEIGHTS.items()}
         total = sum(w.values())
         if total <= 0:
             raise PolicyConfigError("weights", "at least one weight must be positive")
@@ -137,11 +121,13 @@ class AdaptivePolicy:
             gpu_weight=w["gpu"] / total,
             memory_weight=w["memory"] / total,
             queue_weight=w["queue"] / total,
-            max_queue=_number(params.get("maxQueue", 32), "maxQueue", minimum=1, integer=True),
-            choices=_number(params.get("choices", 2), "choices", minimum=1, integer=True),
+            max_queue=whole_number(params.get("maxQueue", 32), "maxQueue", minimum=1),
+            choices=parse_choices(params.get("choices", 2)),
             gpu_signal=chosen["gpu"],
             memory_signal=chosen["memory"],
             queue_signal=chosen["queue"],
+            load_unit=parse_load_unit(params),
+            selection=selection,
         )
 
     def new_state(self) -> None:
@@ -154,5 +140,5 @@ class AdaptivePolicy:
         state: None,
         rng: random.Random,
         events: EventSink,
-    ) -> AdaptivePicker:
-        return AdaptivePicker(views, config, rng, events)
+    ) -> CompositePicker:
+        return CompositePicker(views, config.composite, rng, events)

@@ -31,15 +31,27 @@ from typing import Any
 from uhashring import HashRing
 
 from router.model import EndpointView, RequestInfo
-from router.policies.base import EventSink, LoadView, PolicyConfigError, least_loaded, reject_unknown
+from router.policies.base import (
+    DecisionTrace,
+    EventSink,
+    LoadView,
+    PolicyConfigError,
+    least_loaded,
+    reject_unknown,
+)
 
 KEY_SOURCES = ("header", "body")
+MAX_WALK_NOTES = 16  # ring-walk steps an explanation lists (a walk past many full endpoints stays bounded)
 
 
 @dataclass(frozen=True)
 class HashKey:
     source: str  # "header" | "body"
     name: str  # header name (lower-case) or dotted body path
+
+    def describe(self) -> str:
+        """The key's source as configured: `header:x-session-id`, `body:user`."""
+        return f"{self.source}:{self.name}"
 
     def extract(self, req: RequestInfo) -> str | None:
         if self.source == "header":
@@ -115,35 +127,81 @@ class ConsistentHashPicker:
         self._rng = rng
         self._events = events
 
-    def pick(self, req: RequestInfo, loads: LoadView, exclude: frozenset[str]) -> EndpointView | None:
+    def pick(
+        self, req: RequestInfo, loads: LoadView, exclude: frozenset[str], trace: DecisionTrace | None = None
+    ) -> EndpointView | None:
         key = self._key.extract(req)
         if key is None or self._ring is None:
             if key is None:
                 self._events("hash_key_missing")
-            return least_loaded(self._views, loads, exclude, self._rng)
+            view = least_loaded(self._views, loads, exclude, self._rng, trace)
+            if trace is not None:
+                trace.detail["key"] = self._key.describe()
+                trace.detail["key_present"] = key is not None
+                if key is None:  # no affinity to keep: least-connections instead (a pool without a ring is empty)
+                    trace.reason = "hash_key_missing"
+                    trace.detail["fallback"] = "least_loaded"
+            return view
+        if trace is not None:
+            # The key's position on the ring (md5, as uhashring places it), not the key: a session id or user
+            # name stays out of logs and admin pages, while two requests that hashed alike still show it.
+            trace.detail.update(key=self._key.describe(), key_present=True, key_hash=self._ring.get_key(key))
         if self._factor is not None:
-            return self._pick_bounded(key, loads, exclude, self._factor)
+            return self._pick_bounded(key, loads, exclude, self._factor, trace)
         node = self._ring.get_node(key)
         if node not in exclude:
+            if trace is not None:
+                trace.reason = "ring"
+                trace.detail["owner"] = node
+                trace.note(node, ring_step=0)
             return self._by_id[node]
+        walk = 0
         for node in self._ring.iterate_nodes(key):  # ring order from the key's position, each node once
             if node not in exclude:
+                if trace is not None:
+                    trace.reason = "ring_walk"  # the owner is excluded (it failed this request): the next one
+                    trace.detail["owner"] = self._ring.get_node(key)
+                    trace.detail["walked"] = walk
+                    trace.note(node, ring_step=walk)
                 return self._by_id[node]
+            walk += 1
         return None
 
-    def _pick_bounded(self, key: str, loads: LoadView, exclude: frozenset[str], factor: float) -> EndpointView | None:
+    def _pick_bounded(
+        self, key: str, loads: LoadView, exclude: frozenset[str], factor: float, trace: DecisionTrace | None
+    ) -> EndpointView | None:
         assert self._ring is not None
         bound = load_bound(self._views, loads, factor)
         owner = self._ring.get_node(key)
+        if trace is not None:
+            trace.detail.update(owner=owner, bound=bound, max_load_factor=factor,
+                                total_in_flight=sum(loads.cluster_in_flight(v.id) for v in self._views))
         if owner not in exclude and loads.cluster_in_flight(owner) < bound:
+            if trace is not None:
+                trace.reason = "ring"
+                trace.note(owner, ring_step=0, cluster_in_flight=loads.cluster_in_flight(owner))
             return self._by_id[owner]  # the common case: no ring walk (uhashring copies the ring to walk it)
+        walk = 0
         for node in self._ring.iterate_nodes(key):
-            if node not in exclude and loads.cluster_in_flight(node) < bound:
+            held = loads.cluster_in_flight(node)
+            if node not in exclude and held < bound:
+                if trace is not None:
+                    # The owner was full (not merely excluded after a failure): a load-bound overflow.
+                    trace.reason = "load_bound_overflow" if owner not in exclude else "ring_walk"
+                    trace.detail["walked"] = walk
+                    trace.note(node, ring_step=walk, cluster_in_flight=held)
                 if owner not in exclude:  # the owner was full (not merely excluded after a failure)
                     self._events("load_bound_overflow")
                 return self._by_id[node]
+            if trace is not None and node not in exclude and walk < MAX_WALK_NOTES:
+                trace.note(node, ring_step=walk, cluster_in_flight=held, at_bound=True)
+            walk += 1
         # Every endpoint is at the bound (only possible with exclusions): the least loaded one.
-        return least_loaded(self._views, loads, exclude, self._rng)
+        view = least_loaded(self._views, loads, exclude, self._rng, trace)
+        if trace is not None and view is not None:
+            trace.reason = "all_at_bound"
+            trace.detail["fallback"] = "least_loaded"
+        return view
 
 
 class ConsistentHashPolicy:
@@ -153,7 +211,8 @@ class ConsistentHashPolicy:
     def parse(self, params: Mapping[str, Any]) -> ConsistentHashConfig:
         reject_unknown(params, {"key", "maxLoadFactor"})
         factor = params.get("maxLoadFactor")
-        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 1):
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                   or not 1 < factor < math.inf):  # nan fails this too
             raise PolicyConfigError("maxLoadFactor", f"must be a number > 1 (e.g. 1.25) or null, got {factor!r}")
         return ConsistentHashConfig(
             key=parse_key(params.get("key", "header:x-session-id")),

@@ -7,6 +7,11 @@ is not drained into its first endpoint.
 
 Each router replica only sees its own traffic; with many replicas the counts are a sample of the
 truth, which is still a good signal for streaming LLM requests that last seconds.
+
+`loadUnit: tokens` weighs each in-flight request by its predicted cost (router/cost.py:
+`prefillWeight * prompt_tokens + predicted output tokens`) and picks the least *work* in flight, so one
+30k-token document counts for what it is rather than as one more request. The default, `requests`, is
+the plain count.
 """
 
 from __future__ import annotations
@@ -17,23 +22,44 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.model import EndpointView, RequestInfo
-from router.policies.base import EventSink, LoadView, least_loaded, reject_unknown
+from router.policies.base import (
+    DecisionTrace,
+    EventSink,
+    LoadView,
+    least_cost_loaded,
+    least_loaded,
+    parse_load_unit,
+    reject_unknown,
+)
 
 
 @dataclass(frozen=True)
 class LeastConnectionsConfig:
-    pass
+    load_unit: str = "requests"
+
+    @property
+    def needs_cost(self) -> bool:
+        """Whether requests must carry a cost estimate (read by settings.py to turn estimation on)."""
+        return self.load_unit == "tokens"
 
 
 class LeastConnectionsPicker:
-    __slots__ = ("_views", "_rng")
+    __slots__ = ("_views", "_rng", "_tokens")
 
-    def __init__(self, views: tuple[EndpointView, ...], rng: random.Random) -> None:
+    def __init__(self, views: tuple[EndpointView, ...], rng: random.Random, tokens: bool = False) -> None:
         self._views = views
         self._rng = rng
+        self._tokens = tokens
 
-    def pick(self, req: RequestInfo, loads: LoadView, exclude: frozenset[str]) -> EndpointView | None:
-        return least_loaded(self._views, loads, exclude, self._rng)
+    def pick(
+        self, req: RequestInfo, loads: LoadView, exclude: frozenset[str], trace: DecisionTrace | None = None
+    ) -> EndpointView | None:
+        if self._tokens:
+            cost = req.cost.total if req.cost is not None else loads.mean_request_cost()
+            if trace is not None:
+                trace.detail["request_cost_source"] = "estimate" if req.cost is not None else "mean_request_cost"
+            return least_cost_loaded(self._views, loads, exclude, self._rng, max(cost, 1.0), trace)
+        return least_loaded(self._views, loads, exclude, self._rng, trace)
 
 
 class LeastConnectionsPolicy:
@@ -41,8 +67,8 @@ class LeastConnectionsPolicy:
     config_key = "leastConnections"
 
     def parse(self, params: Mapping[str, Any]) -> LeastConnectionsConfig:
-        reject_unknown(params, set())
-        return LeastConnectionsConfig()
+        reject_unknown(params, {"loadUnit"})
+        return LeastConnectionsConfig(load_unit=parse_load_unit(params))
 
     def new_state(self) -> None:
         return None
@@ -55,4 +81,4 @@ class LeastConnectionsPolicy:
         rng: random.Random,
         events: EventSink,
     ) -> LeastConnectionsPicker:
-        return LeastConnectionsPicker(views, rng)
+        return LeastConnectionsPicker(views, rng, tokens=config.load_unit == "tokens")

@@ -7,121 +7,129 @@ prefix's KV blocks (vLLM automatic prefix caching, SGLang's radix cache). The pu
 cache-aware routers (SGLang router, llm-d, GKE Inference Gateway: 1.6-2.3x throughput, far lower TTFT)
 come from this, and so do their failure modes: pure affinity piles a popular prefix onto one replica.
 
-How a request is hashed (no tokenizer on the router): the prompt is rendered to text deterministically,
-chat `messages` as `role` + content in order (so turn n+1 of a conversation starts with the exact text of
-turn n) and completions `prompt` as itself, then cut into fixed `blockChars` blocks (256 chars is about 64
-tokens of English). Block i's hash is `blake2b(hash(i-1) || block i)`, a chain, so one hash names a whole
-prefix, as vLLM's block hashes do. Only full blocks are hashed (engines cache only full blocks) and at
-most `maxBlocks` per request, so the work per pick is bounded (64 x 256 chars = 16 KiB of text).
+How a request is hashed (no tokenizer on the router): the prompt is rendered to text deterministically
+(router/prompt.py), chat `messages` as `role` + content in order (so turn n+1 of a conversation starts with
+the exact text of turn n) and completions `prompt` as itself, then cut into fixed `blockChars` blocks (256
+chars is about 64 tokens of English). Block i's hash is `blake2b(hash(i-1) || block i)`, a chain, so one
+hash names a whole prefix, as vLLM's block hashes do. Only full blocks are hashed (engines cache only full
+blocks) and at most `maxBlocks` per request, so the work per pick is bounded (64 x 256 chars = 16 KiB).
 
-The index: per endpoint, the block hashes this router has sent there, an LRU of at most
-`maxBlocksPerEndpoint` entries (an approximation of the engine's cache: the engine evicts too, and we do
-not see it). It lives in the pool state, so rebuilds keep it; the indices of endpoints that left the pool
-are dropped once such endpoints outnumber the pool (`PrefixIndex.retain`).
+The index (router/policies/prefix_index.py): per endpoint, an LRU of the block hashes routed there, by this
+router and, through Redis, by the other replicas (router/prefix_sharing.py). Its bound per endpoint is the
+engine's KV capacity in router blocks (`maxBlocksPerEndpoint: auto`, from `vllm:cache_config_info` via
+telemetry; 32768 while unknown), or a configured number, times the tuner's factor
+(router/policies/prefix_tuning.py), which shrinks it when the index claims more hits than the engine
+reports. It lives in the pool state, so rebuilds keep it.
 
 Choice, per request:
 
     match(e)  = number of leading request blocks present in e's index
     load(e)   = cluster in-flight at e, scaled up by 1/weight while e ramps up (slow start)
     best      = argmax match, ties to the least loaded (then at random)
-    guarded   = load(best) - min load > maxImbalance  or  load(best) >= maxInFlight
-    match(best) == 0 -> power of two choices over load          (`prefix_miss`)
-    guarded          -> power of two choices over load          (`load_guard`)
-    otherwise        -> best                                    (`prefix_hit`)
+    match(best) == 0 -> power of two choices over load                 (`prefix_miss`)
+    a guard trips    -> power of two choices over load                 (`load_guard_<guard>`)
+    otherwise        -> best                                           (`prefix_hit`)
 
-The guard is what keeps affinity from making hotspots; a guarded request seeds its prefix on a second
-endpoint, so a prefix that is hot enough to trip the guard ends up replicated and then shared by load.
+The guards, each optional, checked in this order (the first that trips names the event):
+
+    in_flight    load(best) >= maxInFlight
+    imbalance    load(best) - min load > maxImbalance
+    load_factor  load(best) >= max(1, ceil(maxLoadFactor x (sum load + 1) / n))  (bounded loads, as in
+                 consistentHash and stickiness: best may hold at most factor x the mean after this request)
+    sigma        load(best) > mean load + sigmaK x stddev load
+
+The guards keep affinity from making hotspots; a guarded request seeds its prefix on a second endpoint, so
+a prefix that is hot enough to trip a guard ends up replicated and then shared by load.
 
 The one deliberate mutation on the pick path: the picker records the chosen endpoint's block hashes in
-the pool state's index (O(blocks): a dict insert or move-to-end each, then LRU pops). Style rule 1 says
-pickers never mutate routing structures; this one is an observation of where traffic went, like the
-`LoadView`'s in-flight counts, not a routing structure that a rebuild would replace. It is safe because
-every pick runs synchronously on the one event loop thread (no await between read and write, so no
-interleaving), and a stale or lost entry only costs one cache miss, never a wrong answer.
+the pool state's index (and, when shared, in its outbox for the background task), and adds to the
+endpoint's estimated-hit counters. Style rule 1 says pickers never mutate routing structures; this is an
+observation of where traffic went, like the `LoadView`'s in-flight counts, not a routing structure a rebuild
+would replace. Pickers never do I/O and read no clock: Redis and tuning run in the background.
 
-Not yet (issue 10, later parts): sharing the index across router replicas through Redis, checking it
-against the engines' reported prefix-cache hit rate, sizing it from the engine's KV capacity, and
-weighting by predicted request cost.
+Cost per pick: O(prompt pieces) rendering, O(blocks) hashing, O(endpoints x matched blocks) lookups,
+O(endpoints) for the guards, O(blocks) recording.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import math
 import random
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+from router.durations import parse_duration
 from router.model import EndpointView, RequestInfo
-from router.policies.base import EventSink, LoadView, PolicyConfigError, reject_unknown
+from router.policies.base import (
+    DecisionTrace,
+    EventSink,
+    LoadView,
+    PolicyConfigError,
+    integer_param,
+    listed,
+    number_param,
+    reject_unknown,
+    scaled_load,
+)
+from router.policies.prefix_index import FALLBACK_BLOCKS, MIN_BLOCKS, PrefixIndex
+from router.policies.prefix_tuning import TuningConfig
+from router.prompt import prompt_length, prompt_pieces
+
+CHARS_PER_TOKEN = 4  # English text in Llama-3-class BPE vocabularies; sizing only, so a rough figure
+MAX_AUTO_BLOCKS = 1 << 20  # ~150 MB per endpoint: the most `auto` sizes an index to, whatever the engine says
+
+
+@dataclass(frozen=True)
+class SharingConfig:
+    """Sharing the index with the other router replicas through Redis (only when Redis is configured)."""
+
+    enabled: bool = True
+    # How long a shared entry lives (Redis stream trimming, and the warm-up horizon of a new replica). A busy
+    # engine turns its cache over in about capacity / new-token rate: 436k tokens at 1-8k new tokens/s is
+    # 1-7 minutes, so after 10 minutes an entry is mostly gone from any engine doing work; an idle engine
+    # keeps it longer, but then a replica missing it costs at most one miss per prefix.
+    ttl: float = 600.0
+    max_stream_entries: int = 8192  # per pool: at most 8192 x 8 KiB = 64 MiB in Redis, usually far less
 
 
 @dataclass(frozen=True)
 class PrefixAwareConfig:
     block_chars: int = 256  # ~64 tokens of English at ~4 chars/token
     max_blocks: int = 64  # hashed per request: 16 KiB of prompt text at the default block size
-    # 32768 blocks x ~64 tokens ~ 2M tokens: more than one 80 GB GPU holds for an 8B model (~0.5M tokens of
-    # KV), so the router forgets a prefix no sooner than the engine does. ~5 MB per endpoint.
-    max_blocks_per_endpoint: int = 32768
-    max_imbalance: int = 8  # load(best) - min load above this: load wins
-    max_in_flight: int | None = None  # load(best) at or above this: load wins; None: no absolute guard
+    # "auto": the engine's KV capacity (telemetry) in router blocks; an integer fixes the bound.
+    max_blocks_per_endpoint: int | str = "auto"
+    max_imbalance: int | None = 8  # load(best) - min load above this: load wins
+    max_in_flight: int | None = None  # load(best) at or above this: load wins
+    max_load_factor: float | None = None  # load(best) above factor x the mean (bounded loads): load wins
+    sigma_k: float | None = None  # load(best) above mean + k x stddev: load wins
+    sharing: SharingConfig = field(default_factory=SharingConfig)
+    tuning: TuningConfig = field(default_factory=TuningConfig)
+
+    @property
+    def block_tokens(self) -> float:
+        return self.block_chars / CHARS_PER_TOKEN
 
 
 # ---- hashing ----------------------------------------------------------------------------------------
 
 
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts: text as text, anything else (images) as JSON
-        return "".join(
-            p["text"] if isinstance(p, Mapping) and isinstance(p.get("text"), str) else _stable_json(p)
-            for p in content
-        )
-    return _stable_json(content)
-
-
-def _stable_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def _prompt_pieces(body: Mapping[str, Any]) -> Iterator[str]:
-    """The prompt text in order, in pieces, so rendering can stop once enough is produced."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for msg in messages:
-            if not isinstance(msg, Mapping):
-                yield _stable_json(msg)
-                continue
-            # Role and content with separators no ordinary text contains, so ("ab", "c") != ("a", "bc").
-            yield f"\x1e{msg.get('role', '')}\x1f"
-            yield _content_text(msg.get("content"))
-        return
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        yield prompt
-    elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        yield prompt[0]
-    elif prompt is not None:  # token ids or a batch: their JSON still shares a prefix when they do
-        yield _stable_json(prompt)
-
-
-def block_hashes(body: Mapping[str, Any], block_chars: int, max_blocks: int) -> list[int]:
+def prompt_blocks(body: Mapping[str, Any], block_chars: int, max_blocks: int) -> tuple[list[int], int]:
     """Chained hashes of the first full `block_chars`-sized blocks of the rendered prompt (at most
-    `max_blocks`). Stable across processes (blake2b, not Python's salted `hash`)."""
+    `max_blocks`), and the length of the whole prompt's text in chars. Stable across processes (blake2b,
+    not Python's salted `hash`). Rendering stops once the blocks are covered; the rest is only measured
+    (router/prompt.py `prompt_length`), so a huge prompt or a multi-megabyte image part costs no rendering."""
     limit = block_chars * max_blocks
     parts: list[str] = []
-    size = 0
-    for piece in _prompt_pieces(body):
+    rendered = 0
+    for piece in prompt_pieces(body):
         parts.append(piece)
-        size += len(piece)
-        if size >= limit:
+        rendered += len(piece)
+        if rendered >= limit:
             break
     text = "".join(parts)[:limit]
+    size = max(rendered, prompt_length(body)) if rendered >= limit else rendered
     hashes: list[int] = []
     parent = b""
     for start in range(0, len(text) - block_chars + 1, block_chars):
@@ -129,66 +137,126 @@ def block_hashes(body: Mapping[str, Any], block_chars: int, max_blocks: int) -> 
                                  digest_size=8).digest()
         hashes.append(int.from_bytes(digest, "big"))
         parent = digest
-    return hashes
+    return hashes, size
 
 
-# ---- state ------------------------------------------------------------------------------------------
+def block_hashes(body: Mapping[str, Any], block_chars: int, max_blocks: int) -> list[int]:
+    return prompt_blocks(body, block_chars, max_blocks)[0]
 
 
-class PrefixIndex:
-    """Per endpoint, an LRU set of block hashes routed there. Kept by the balancer across rebuilds."""
+# ---- sizing -----------------------------------------------------------------------------------------
 
-    __slots__ = ("by_endpoint",)
 
-    def __init__(self) -> None:
-        self.by_endpoint: dict[str, OrderedDict[int, None]] = {}
-
-    def retain(self, endpoint_ids: set[str]) -> None:
-        """Bound the index to the pool. An endpoint missing from one build is often only ejected or
-        draining for a while and comes back with its cache warm, so its index is kept; only when absent
-        endpoints outnumber the pool (pods replaced under new names) are theirs dropped."""
-        if len(self.by_endpoint) <= 2 * len(endpoint_ids) + 4:
-            return
-        for gone in [e for e in self.by_endpoint if e not in endpoint_ids]:
-            del self.by_endpoint[gone]
-
-    def matched(self, endpoint_id: str, hashes: list[int]) -> int:
-        blocks = self.by_endpoint.get(endpoint_id)
-        if not blocks:
-            return 0
-        n = 0
-        for h in hashes:
-            if h not in blocks:
-                break
-            n += 1
-        return n
-
-    def record(self, endpoint_id: str, hashes: list[int], bound: int) -> None:
-        blocks = self.by_endpoint.get(endpoint_id)
-        if blocks is None:
-            blocks = self.by_endpoint[endpoint_id] = OrderedDict()
-        # Deepest block first, so the prefix's root ends up most recent and LRU evicts leaves before the
-        # blocks they hang from (a chain missing its root could never match anyway).
-        for h in reversed(hashes):
-            if h in blocks:
-                blocks.move_to_end(h)
-            else:
-                blocks[h] = None
-        while len(blocks) > bound:
-            blocks.popitem(last=False)
-
-    def size(self, endpoint_id: str) -> int:
-        return len(self.by_endpoint.get(endpoint_id, ()))
+def size_index(index: PrefixIndex, views: tuple[EndpointView, ...], config: PrefixAwareConfig) -> None:
+    """Each endpoint's base bound: configured, or its engine's KV capacity in router blocks. A capacity that
+    is unknown now (stale telemetry) keeps the last one known; never known gives the fallback."""
+    for view in views:
+        if isinstance(config.max_blocks_per_endpoint, int):
+            index.set_base(view.id, config.max_blocks_per_endpoint, "config")
+            continue
+        capacity = view.telemetry.kv_capacity_tokens if view.telemetry is not None else None
+        if capacity is not None:
+            blocks = min(MAX_AUTO_BLOCKS, max(MIN_BLOCKS, int(capacity / config.block_tokens)))
+            index.set_base(view.id, blocks, "kv_capacity")
+        elif not index.has_base(view.id):
+            index.set_base(view.id, FALLBACK_BLOCKS, "fallback")
 
 
 # ---- picker -----------------------------------------------------------------------------------------
 
 
 def _load(view: EndpointView, loads: LoadView) -> float:
-    load = float(loads.cluster_in_flight(view.id))
-    if view.weight_factor < 1.0:  # slow start: a ramping endpoint counts as more loaded (as base.least_loaded)
-        load = (load + 1) / view.weight_factor - 1
-    return load
+    return scaled_load(view, float(loads.cluster_in_flight(view.id)))  # per unit of capacity, as least_loaded
+
+
+class GuardSettings(Protocol):
+    """The load guards, as prefix-aware's config and composite's `loadGuard` both carry them."""
+
+    max_in_flight: int | None
+    max_imbalance: int | None
+    max_load_factor: float | None
+    sigma_k: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class GuardLimits:
+    """The guards' thresholds for one pick's loads, computed once (a composite filter tests every candidate
+    against the same ones)."""
+
+    in_flight: float | None
+    imbalance_over: float | None  # min load + maxImbalance
+    load_factor: float | None
+    sigma: float | None
+
+    @classmethod
+    def of(cls, load: Mapping[str, float], c: GuardSettings) -> GuardLimits:
+        n = len(load)
+        total = sum(load.values())
+        sigma = None
+        if c.sigma_k is not None:
+            mean = total / n
+            sigma = mean + c.sigma_k * math.sqrt(sum((x - mean) ** 2 for x in load.values()) / n)
+        return cls(
+            in_flight=c.max_in_flight,
+            imbalance_over=min(load.values()) + c.max_imbalance if c.max_imbalance is not None else None,
+            load_factor=max(1, math.ceil(c.max_load_factor * (total + 1) / n)) if c.max_load_factor is not None
+            else None,
+            sigma=sigma,
+        )
+
+    def tripped(self, value: float) -> str | None:
+        """The first guard a load of `value` trips (its event name), or None."""
+        if self.in_flight is not None and value >= self.in_flight:
+            return "load_guard_in_flight"
+        if self.imbalance_over is not None and value > self.imbalance_over:
+            return "load_guard_imbalance"
+        if self.load_factor is not None and value >= self.load_factor:
+            return "load_guard_load_factor"
+        if self.sigma is not None and value > self.sigma:
+            return "load_guard_sigma"
+        return None
+
+
+def tripped_guard(best_load: float, load: Mapping[str, float], config: GuardSettings) -> str | None:
+    """The first load guard the best match trips (its event name), or None: affinity holds."""
+    c = config
+    if c.max_in_flight is None and c.max_imbalance is None and c.max_load_factor is None and c.sigma_k is None:
+        return None
+    return GuardLimits.of(load, c).tripped(best_load)
+
+
+def guard_report(best_load: float, load: Mapping[str, float], config: PrefixAwareConfig) -> dict[str, dict[str, Any]]:
+    """For an explanation: each configured guard's value for the best match, its limit and whether it trips,
+    by the formulas of `tripped_guard` (which the pick path keeps lean; tests hold the two together). The
+    first guard that trips, in this order, is the one `tripped_guard` names."""
+    c = config
+    out: dict[str, dict[str, Any]] = {}
+    if c.max_in_flight is not None:
+        out["in_flight"] = {"value": best_load, "limit": c.max_in_flight, "tripped": best_load >= c.max_in_flight}
+    if c.max_imbalance is not None:
+        spread = best_load - min(load.values())
+        out["imbalance"] = {"value": spread, "limit": c.max_imbalance, "tripped": spread > c.max_imbalance}
+    n = len(load)
+    total = sum(load.values())
+    if c.max_load_factor is not None:
+        limit = max(1, math.ceil(c.max_load_factor * (total + 1) / n))
+        out["load_factor"] = {"value": best_load, "limit": limit, "tripped": best_load >= limit}
+    if c.sigma_k is not None:
+        mean = total / n
+        sigma = math.sqrt(sum((x - mean) ** 2 for x in load.values()) / n)
+        limit_sigma = mean + c.sigma_k * sigma
+        out["sigma"] = {"value": best_load, "limit": limit_sigma, "tripped": best_load > limit_sigma}
+    return out
+
+
+def remember(index: PrefixIndex, endpoint_id: str, hashes: list[int], prompt_chars: int, matched: int,
+             block_chars: int) -> None:
+    """What a prefix index learns from a request sent to an endpoint: the share of its prompt the index said
+    was cached there (for the tuner's estimate), then its blocks, now cached there."""
+    if prompt_chars:
+        index.observe(endpoint_id, min(matched * block_chars, prompt_chars), prompt_chars)
+    if hashes:
+        index.record(endpoint_id, hashes)
 
 
 class PrefixAwarePicker:
@@ -208,61 +276,142 @@ class PrefixAwarePicker:
         self._rng = rng
         self._events = events
 
-    def pick(self, req: RequestInfo, loads: LoadView, exclude: frozenset[str]) -> EndpointView | None:
+    def pick(
+        self, req: RequestInfo, loads: LoadView, exclude: frozenset[str], trace: DecisionTrace | None = None
+    ) -> EndpointView | None:
         candidates = [v for v in self._views if v.id not in exclude] if exclude else list(self._views)
         if not candidates:
             return None
         c = self._config
-        hashes = block_hashes(req.body, c.block_chars, c.max_blocks)
+        index = self._index
+        hashes, prompt_chars = prompt_blocks(req.body, c.block_chars, c.max_blocks)
         load = {v.id: _load(v, loads) for v in candidates}
         best: list[EndpointView] = []
         best_match, best_load = 0, 0.0
-        for view in candidates:
-            m = self._index.matched(view.id, hashes) if hashes else 0
-            if m == 0 or m < best_match:
-                continue
-            if m > best_match or load[view.id] < best_load:
-                best, best_match, best_load = [view], m, load[view.id]
-            elif load[view.id] == best_load:
-                best.append(view)
+        if hashes:
+            for view in candidates:
+                m = index.matched(view.id, hashes)
+                if trace is not None:
+                    trace.note(view.id, match_blocks=m)
+                if m == 0 or m < best_match:
+                    continue
+                if m > best_match or load[view.id] < best_load:
+                    best, best_match, best_load = [view], m, load[view.id]
+                elif load[view.id] == best_load:
+                    best.append(view)
+        if trace is not None:
+            for view in candidates:
+                trace.note(view.id, cluster_in_flight=loads.cluster_in_flight(view.id), load=load[view.id])
+            trace.detail.update(blocks_hashed=len(hashes), block_chars=c.block_chars, prompt_chars=prompt_chars,
+                                best_match_blocks=best_match, best=listed(v.id for v in best))
         if not best:
             self._events("prefix_miss")
-            choice = self._two_choices(candidates, load)
-        elif best_load - min(load.values()) > c.max_imbalance or (
-            c.max_in_flight is not None and best_load >= c.max_in_flight
-        ):
-            self._events("load_guard")
-            choice = self._two_choices(candidates, load)
+            choice = self._two_choices(candidates, load, trace)
+            matched = 0
+            if trace is not None:
+                trace.reason = "prefix_miss"
         else:
-            self._events("prefix_hit")
-            choice = best[0] if len(best) == 1 else self._rng.choice(best)
-        if hashes:
-            self._index.record(choice.id, hashes, c.max_blocks_per_endpoint)
+            guard = tripped_guard(best_load, load, c)
+            if guard is not None:
+                self._events(guard)
+                choice = self._two_choices(candidates, load, trace)
+                matched = best_match if choice in best else index.matched(choice.id, hashes)
+                if trace is not None:
+                    trace.reason = guard
+            else:
+                self._events("prefix_hit")
+                choice = best[0] if len(best) == 1 else self._rng.choice(best)
+                matched = best_match
+                if trace is not None:
+                    trace.reason = "prefix_hit"
+            if trace is not None:
+                trace.detail["guards"] = guard_report(best_load, load, c)
+        remember(index, choice.id, hashes, prompt_chars, matched, c.block_chars)
         return choice
 
-    def _two_choices(self, candidates: list[EndpointView], load: dict[str, float]) -> EndpointView:
+    def observe(self, req: RequestInfo, view: EndpointView) -> None:
+        """A request went to `view` without a pick (a session's pinned endpoint): its blocks are there now."""
+        c = self._config
+        hashes, prompt_chars = prompt_blocks(req.body, c.block_chars, c.max_blocks)
+        matched = self._index.matched(view.id, hashes) if hashes else 0
+        remember(self._index, view.id, hashes, prompt_chars, matched, c.block_chars)
+
+    def _two_choices(
+        self, candidates: list[EndpointView], load: dict[str, float], trace: DecisionTrace | None
+    ) -> EndpointView:
         """Power of two choices over load (Mitzenmacher; Envoy least_request): near least-loaded without
         every router replica herding onto the same argmax."""
         if len(candidates) == 1:
+            if trace is not None:
+                trace.sampled = [candidates[0].id]
             return candidates[0]
         a, b = self._rng.sample(candidates, 2)  # random order, so an exact tie goes either way
+        if trace is not None:
+            trace.sampled = [a.id, b.id]
+            trace.detail["fallback"] = "two_choices"
         return b if load[b.id] < load[a.id] else a
 
 
-# ---- policy -----------------------------------------------------------------------------------------
+# ---- parsing ----------------------------------------------------------------------------------------
 
 
-def _integer(params: Mapping[str, Any], field: str, default: int | None, *, minimum: int,
-             maximum: int | None = None, nullable: bool = False) -> int | None:
+def _duration(params: Mapping[str, Any], field: str, default: float, *, minimum: float, where: str) -> float:
     value = params.get(field, default)
-    if value is None and nullable:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        null = " or null" if nullable else ""
-        raise PolicyConfigError(field, f"must be an integer{null}, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bounds = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
-        raise PolicyConfigError(field, f"must be {bounds}, got {value!r}")
+    seconds = parse_duration(value)
+    if seconds is None or seconds < minimum:
+        raise PolicyConfigError(where + field, f"must be a duration of at least {minimum:g}s (like 10m, 30s or "
+                                               f"500ms), got {value!r}")
+    return seconds
+
+
+def _boolean(params: Mapping[str, Any], field: str, default: bool, *, where: str) -> bool:
+    value = params.get(field, default)
+    if not isinstance(value, bool):
+        raise PolicyConfigError(where + field, f"must be true or false, got {value!r}")
+    return value
+
+
+def _block(params: Mapping[str, Any], field: str, known: set[str]) -> Mapping[str, Any]:
+    block = params.get(field)
+    if block is None:
+        return {}
+    if not isinstance(block, Mapping):
+        raise PolicyConfigError(field, f"must be a mapping, got {block!r}")
+    try:
+        reject_unknown(block, known)
+    except PolicyConfigError as exc:
+        raise PolicyConfigError(f"{field}.{exc.field}", exc.message) from None
+    return block
+
+
+def _sharing(params: Mapping[str, Any]) -> SharingConfig:
+    block = _block(params, "sharing", {"enabled", "ttl", "maxStreamEntries"})
+    d = SharingConfig()
+    entries = integer_param(block, "maxStreamEntries", d.max_stream_entries, minimum=16, maximum=1_000_000,
+                       where="sharing.")
+    assert entries is not None
+    return SharingConfig(enabled=_boolean(block, "enabled", d.enabled, where="sharing."),
+                         ttl=_duration(block, "ttl", d.ttl, minimum=1.0, where="sharing."),
+                         max_stream_entries=entries)
+
+
+def _tuning(params: Mapping[str, Any]) -> TuningConfig:
+    block = _block(params, "tuning", {"enabled", "window", "tolerance"})
+    d = TuningConfig()
+    tolerance = number_param(block, "tolerance", d.tolerance, minimum=0.0, exclusive=True, maximum=1.0, where="tuning.")
+    assert tolerance is not None
+    return TuningConfig(enabled=_boolean(block, "enabled", d.enabled, where="tuning."),
+                        window=_duration(block, "window", d.window, minimum=0.1, where="tuning."),
+                        tolerance=tolerance)
+
+
+def _bound(params: Mapping[str, Any]) -> int | str:
+    value = params.get("maxBlocksPerEndpoint", "auto")
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10_000_000:
+        raise PolicyConfigError("maxBlocksPerEndpoint",
+                                f"must be auto or an integer between 1 and 10000000, got {value!r}")
     return value
 
 
@@ -271,19 +420,23 @@ class PrefixAwarePolicy:
     config_key = "prefixAware"
 
     def parse(self, params: Mapping[str, Any]) -> PrefixAwareConfig:
-        reject_unknown(params, {"blockChars", "maxBlocks", "maxBlocksPerEndpoint", "maxImbalance", "maxInFlight"})
+        reject_unknown(params, {"blockChars", "maxBlocks", "maxBlocksPerEndpoint", "maxImbalance", "maxInFlight",
+                                "maxLoadFactor", "sigmaK", "sharing", "tuning"})
         d = PrefixAwareConfig()
-        block_chars = _integer(params, "blockChars", d.block_chars, minimum=16, maximum=65536)
-        max_blocks = _integer(params, "maxBlocks", d.max_blocks, minimum=1, maximum=4096)
-        per_endpoint = _integer(params, "maxBlocksPerEndpoint", d.max_blocks_per_endpoint, minimum=1,
-                                maximum=10_000_000)
-        imbalance = _integer(params, "maxImbalance", d.max_imbalance, minimum=0)
-        in_flight = _integer(params, "maxInFlight", d.max_in_flight, minimum=1, nullable=True)
-        assert block_chars is not None and max_blocks is not None and per_endpoint is not None
-        assert imbalance is not None
-        return PrefixAwareConfig(block_chars=block_chars, max_blocks=max_blocks,
-                                 max_blocks_per_endpoint=per_endpoint, max_imbalance=imbalance,
-                                 max_in_flight=in_flight)
+        block_chars = integer_param(params, "blockChars", d.block_chars, minimum=16, maximum=65536)
+        max_blocks = integer_param(params, "maxBlocks", d.max_blocks, minimum=1, maximum=4096)
+        assert block_chars is not None and max_blocks is not None
+        return PrefixAwareConfig(
+            block_chars=block_chars,
+            max_blocks=max_blocks,
+            max_blocks_per_endpoint=_bound(params),
+            max_imbalance=integer_param(params, "maxImbalance", d.max_imbalance, minimum=0, nullable=True),
+            max_in_flight=integer_param(params, "maxInFlight", d.max_in_flight, minimum=1, nullable=True),
+            max_load_factor=number_param(params, "maxLoadFactor", d.max_load_factor, minimum=1.0, nullable=True),
+            sigma_k=number_param(params, "sigmaK", d.sigma_k, minimum=0.0, exclusive=True, nullable=True),
+            sharing=_sharing(params),
+            tuning=_tuning(params),
+        )
 
     def new_state(self) -> PrefixIndex:
         return PrefixIndex()
@@ -297,4 +450,5 @@ class PrefixAwarePolicy:
         events: EventSink,
     ) -> PrefixAwarePicker:
         state.retain({v.id for v in views})
+        size_index(state, views, config)
         return PrefixAwarePicker(views, state, config, rng, events)

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from router.policies.adaptive import AdaptivePolicy
 from router.policies.base import Policy
+from router.policies.composite import CompositePolicy
 from router.policies.consistent_hash import ConsistentHashPolicy
 from router.policies.least_connections import LeastConnectionsPolicy
 from router.policies.prefix_aware import PrefixAwarePolicy
@@ -17,6 +18,7 @@ BUILTIN: tuple[Policy, ...] = (
     ConsistentHashPolicy(),
     AdaptivePolicy(),
     PrefixAwarePolicy(),
+    CompositePolicy(),
 )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.model import EndpointView, RequestInfo
-from router.policies.base import EventSink, LoadView, reject_unknown
+from router.policies.base import DecisionTrace, EventSink, LoadView, reject_unknown
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,9 @@ class RoundRobinPicker:
         self._state = state
         self._rng = rng
 
-    def pick(self, req: RequestInfo, loads: LoadView, exclude: frozenset[str]) -> EndpointView | None:
+    def pick(
+        self, req: RequestInfo, loads: LoadView, exclude: frozenset[str], trace: DecisionTrace | None = None
+    ) -> EndpointView | None:
         views = self._views
         n = len(views)
         fallback = None
@@ -51,8 +53,19 @@ class RoundRobinPicker:
                 continue
             # A ramping endpoint (slow start) takes its turn with probability = its weight factor.
             if view.weight_factor >= 1.0 or self._rng.random() < view.weight_factor:
+                if trace is not None:
+                    trace.reason = "rotation"
+                    trace.note(view.id, position=index)
+                    trace.detail["position"] = index
+                    trace.detail["pool"] = n
                 return view
+            if trace is not None:
+                trace.note(view.id, position=index, turn="declined_slow_start")
             fallback = fallback or view
+        if trace is not None and fallback is not None:
+            # Every candidate was ramping and declined its turn: the first of them takes it anyway.
+            trace.reason = "rotation_all_ramping"
+            trace.detail["pool"] = n
         return fallback
 
 

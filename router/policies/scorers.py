@@ -24,7 +24,7 @@ def free_fraction(view: EndpointView, signal: str) -> float | None:
     return None if value is None else clamp(1.0 - value)
 
 
-def queue_free(reported_queue: float, in_flight: int, max_queue: int) -> float:
+def queue_free(reported_queue: float, in_flight: float, max_queue: int) -> float:
     """1 - queue/max_queue, where queue = what the engine last reported + what this router has in flight
     there. The local count is fresh while the report lags by up to one telemetry interval, so requests this
     router just sent lower the score at once (the correction rule 6 of STYLE.md asks for)."""

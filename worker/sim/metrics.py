@@ -29,12 +29,18 @@ class _EngineStateCollector(Collector):
         self._engine = engine
         self._labels = ["model_name", "engine"]
         self._values = [model, "0"]
+        # A subset of the labels of vLLM 0.32 (tests/data/vllm_metrics_*.txt has ~35), spelt as vLLM does
+        # ("True", "None"); kv_cache_size_tokens is what routers size their prefix index from.
         self._cache_info = {
             "block_size": str(config.block_size),
-            "num_gpu_blocks": str(engine.num_gpu_blocks),
-            "gpu_memory_utilization": str(gpu_memory_utilization),
-            "enable_prefix_caching": str(config.enable_prefix_caching),
             "cache_dtype": "auto",
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "engine": "0",
+            "gpu_memory_utilization": str(gpu_memory_utilization),
+            "kv_cache_size_tokens": str(engine.num_gpu_blocks * config.block_size),
+            "num_cpu_blocks": "None",
+            "num_gpu_blocks": str(engine.num_gpu_blocks),
+            "num_gpu_blocks_override": "None",
         }
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -30,7 +30,7 @@ from worker.sim.faults import FaultError, Faults
 from worker.sim.gpu import SimulatedGpu
 from worker.sim.metrics import SimMetrics
 from worker.sim.profiles import GpuProfile
-from worker.sim.tokenizer import render_chat, tokenize
+from worker.sim.tokenizer import render_chat, token_pieces, tokenize
 
 log = logging.getLogger("fleetroute.sim")
 
@@ -93,6 +93,9 @@ class SimServer:
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        for path in ("/v1/completions/render", "/v1/chat/completions/render"):
+            app.router.add_post(path, self._scale_out_disabled)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/sim/gpu", self._gpu)
@@ -120,8 +123,9 @@ class SimServer:
                 await self._wake.wait()
                 continue
             started = loop.time()
+            step_start = self.sim_now()
             try:
-                result = self.engine.step(self.sim_now())
+                result = self.engine.step(step_start)
             except Exception:  # a simulator bug: fail the waiting requests rather than hang them forever
                 log.exception("engine step failed; aborting the requests in flight")
                 for pending in list(self._pending.values()):
@@ -141,6 +145,7 @@ class SimServer:
                 continue
             # Sleep until the step would end on the GPU; absolute deadlines keep Python overhead from
             # accumulating into the simulated timeline.
+            self.gpu.busy.busy(step_start, result.duration * self.faults.slowdown)
             await asyncio.sleep(max(0.0, started + result.duration * scale * self.faults.slowdown - loop.time()))
             for req in result.emitted:
                 pending = self._pending.get(req.request_id)
@@ -316,6 +321,47 @@ class SimServer:
         return web.json_response({"object": "list", "data": [{
             "id": s.model, "object": "model", "created": int(self._epoch), "owned_by": "vllm", "root": s.model,
             "parent": None, "max_model_len": s.max_model_len}]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `POST /tokenize`: the token ids the engine would see for a `prompt` or a chat's `messages`,
+        with the same tokenizer and chat template as the completion endpoints, so the ids match what the
+        prefix cache sees (routers that build a prefix tree from them, vllm-router's cache_aware on a vLLM
+        without render endpoints, then see what the engine sees)."""
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            return _vllm_error(400, f"invalid JSON body: {exc}", "BadRequestError")
+        if not isinstance(body, dict):
+            return _vllm_error(400, "request body must be a JSON object", "BadRequestError")
+        model = body.get("model")
+        if model is not None and model != self.settings.model:
+            return _vllm_error(404, f"The model `{model}` does not exist.", "NotFoundError")
+        try:
+            if "messages" in body:
+                generation_prompt = body.get("add_generation_prompt", True)
+                continue_final = body.get("continue_final_message", False)
+                if generation_prompt and continue_final:
+                    raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+                text = render_chat(body["messages"], add_generation_prompt=bool(generation_prompt),
+                                   continue_final_message=bool(continue_final))
+            elif isinstance(body.get("prompt"), str):
+                text = body["prompt"]
+            else:
+                raise ValueError("either `prompt` (a string) or `messages` (a list) is required")
+        except ValueError as exc:
+            return _vllm_error(400, str(exc), "BadRequestError")
+        tokens = tokenize(text)
+        return web.json_response({
+            "count": len(tokens), "max_model_len": self.settings.max_model_len, "tokens": tokens,
+            "token_strs": token_pieces(text) if body.get("return_token_strs") else None,
+        })
+
+    async def _scale_out_disabled(self, request: web.Request) -> web.Response:
+        # vLLM registers its render endpoints always and, unless started with --enable-scale-out, answers
+        # 403 (vllm/entrypoints/scale_out/factories.py). vllm-router's cache_aware asks one before every
+        # request and, on this 403, routes on the request text (on a 404 it would ask /tokenize instead).
+        return _vllm_error(403, "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to "
+                           "enable them.", "PermissionDeniedError")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.faults.unhealthy else 200)

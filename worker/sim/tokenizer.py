@@ -33,26 +33,36 @@ _EOT = "<|eot_id|>"
 
 
 def tokenize(text: str) -> list[int]:
-    ids: list[int] = []
+    return [_id(piece) for piece in token_pieces(text)]
+
+
+def token_pieces(text: str) -> list[str]:
+    """The text of each token `tokenize` returns an id for (what vLLM's /tokenize calls `token_strs`)."""
+    pieces: list[str] = []
     for match in _PIECE.finditer(text):
         piece = match.group()
         stripped = piece.lstrip()
         lead = piece[: len(piece) - len(stripped)]
         if len(stripped) <= _CHUNK:
-            ids.append(_id(piece))
+            pieces.append(piece)
             continue
         # The leading whitespace stays with the first chunk, like BPE's "Ġword".
-        ids.append(_id(lead + stripped[:_CHUNK]))
-        ids.extend(_id(stripped[i : i + _CHUNK]) for i in range(_CHUNK, len(stripped), _CHUNK))
-    return ids
+        pieces.append(lead + stripped[:_CHUNK])
+        pieces.extend(stripped[i : i + _CHUNK] for i in range(_CHUNK, len(stripped), _CHUNK))
+    return pieces
 
 
 def _id(piece: str) -> int:
     return zlib.crc32(piece.encode("utf-8", "surrogatepass")) % VOCAB_SIZE
 
 
-def render_chat(messages: Sequence[Any]) -> str:
+def render_chat(messages: Sequence[Any], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
     """The prompt text for an OpenAI-style `messages` list, ending with the assistant's header.
+
+    As with a Hugging Face chat template: `add_generation_prompt=False` leaves out that final header, and
+    `continue_final_message=True` also leaves the last message open (no end-of-turn), for a client that
+    prefills the start of the answer. vLLM's /tokenize takes both options.
 
     Content may be a string, null (an assistant turn that only called tools) or a list of parts, of
     which the `text` parts are used. Malformed input raises ValueError naming the message index, so a
@@ -70,7 +80,10 @@ def render_chat(messages: Sequence[Any]) -> str:
         out.append(_HEADER.format(role=role))
         out.append(_content_text(i, msg.get("content")))
         out.append(_EOT)
-    out.append(_HEADER.format(role="assistant"))
+    if continue_final_message:
+        out.pop()  # the last message's end-of-turn
+    elif add_generation_prompt:
+        out.append(_HEADER.format(role="assistant"))
     return "".join(out)
 
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Every benchmark behind docs/benchmarks.md, one after another, with fixed output directories
+# (loadtest/results/bench/<name>/). About 3 hours on the 2-core development machine; run it on a quiet one.
+#
+#   loadtest/peers/install-all.sh     # once: the peer routers (vllm-router, sglang-router, LiteLLM, nginx)
+#   loadtest/benchmarks.sh            # everything; or name steps: loadtest/benchmarks.sh seed-table lab
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=loadtest/results/bench
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(seed-table seed-table-weighted degraded-node prefix-heavy peers-heterogeneous
+                                 peers-prefix-heavy overhead scale lab)
+for step in "${steps[@]}"; do
+    echo "=== $step ($(date -u +%H:%M:%S))"
+    case "$step" in
+        overhead)
+            python -m loadtest.router_overhead --out "$OUT/overhead" \
+                --peers vllm-router:round_robin,sglang-router:round_robin,litellm:simple-shuffle,nginx:least_conn ;;
+        scale)
+            mkdir -p "$OUT/scale"
+            python -m loadtest.scale --json "$OUT/scale/scale.json" --markdown "$OUT/scale/scale.md" \
+                --plots "$OUT/scale" ;;
+        lab)
+            mkdir -p "$OUT/lab"
+            for f in 0.3 0.6 0.9; do
+                python -m loadtest.lab loadtest/scenarios/seed-table.yaml --fraction $f --seeds 5 \
+                    --policy 'adaptive, best-score (before)={"strategy": "adaptive", "adaptive": {"selection": "best-score"}}' \
+                    --policy 'adaptive, choices all={"strategy": "adaptive", "adaptive": {"choices": "all"}}' \
+                    --markdown "$OUT/lab/seed-table-$f.md"
+            done
+            python -m loadtest.lab loadtest/scenarios/seed-table-weighted.yaml --fraction 0.6 --seeds 5 \
+                --markdown "$OUT/lab/seed-table-weighted-0.6.md"
+            python -m loadtest.lab loadtest/scenarios/prefix-heavy.yaml --fraction 0.5 --seeds 3 \
+                --markdown "$OUT/lab/prefix-heavy-0.5.md" ;;
+        *)
+            fleetroute loadtest --scenario "loadtest/scenarios/$step.yaml" --out "$OUT/$step" > "$OUT/$step.log" 2>&1
+            echo "exit $? ($step)";;
+    esac
+done
+echo "=== done ($(date -u +%H:%M:%S))"

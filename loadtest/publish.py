@@ -1,0 +1,131 @@
+"""Fill docs/benchmarks.md's measured tables from the benchmark results, so no number there is typed by hand.
+
+    python -m loadtest.publish        # after loadtest/benchmarks.sh; reads loadtest/results/bench/
+
+The document holds the prose; each measured block sits between two markers and is replaced whole:
+
+    <!-- generated:seed-table -->  ...  <!-- /generated -->
+
+Names: a scenario's (its report and plots, the PNGs copied to docs/img/), `lab:<file stem>` (a lab table),
+`overhead` (the router-overhead comparison with the peers) and `scale` (the scale benchmark's tables and
+plots). A block whose results are missing is left as it is, and said so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.S)
+
+
+def _spread(d: dict[str, Any] | None, fmt: str = "{:,.2f}") -> str:
+    if not d or d.get("median") != d.get("median"):  # missing or NaN
+        return "-"
+    text = fmt.format(d["median"])
+    return text if d["min"] == d["max"] else f"{text} [{fmt.format(d['min'])}, {fmt.format(d['max'])}]"
+
+
+def overhead_table(record: dict[str, Any]) -> str:
+    s, peers, versions = record["summary"], record.get("peer_summary", {}), record.get("peers", {})
+    rows = [("fleetroute", "0.1.0", {
+        "rps": s["router_rps"], "ratio_vs_direct": s["ratio"], "cpu_ms_per_req": s["router_cpu_ms_per_req"],
+        "rps_per_core": s["router_rps_per_core"], "added_p50_ms": s["added_p50_ms"],
+        "added_p99_ms": s["added_p99_ms"], "added_ttft_p50_ms": s["added_ttft_p50_ms"]})]
+    rows += [(spec, str(versions.get(spec, {}).get("version", "")), d) for spec, d in peers.items()]
+    failed = record.get("peer_errors") or {}
+    machine = record.get("machine", {})
+    lines = [f"Direct to the backend: {_spread(s['direct_rps'], '{:,.0f}')} req/s. Median [min, max] of "
+             f"{record.get('settings', {}).get('runs', '?')} runs, run {record.get('started_utc', '?')} "
+             f"({machine.get('cpu_model', '?')}, commit {machine.get('commit', '?')}); other processes took "
+             f"{_spread(s.get('foreign_cpu_util'), '{:.0%}')} of a core during the runs.",
+             "",
+             "| router | version | req/s (one core) | vs direct | CPU ms per request (= s per 1,000) | req/s per core "
+             "| added p50 | added p99 | added TTFT p50 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, version, d in rows:
+        lines.append(
+            f"| {name} | {version} | {_spread(d.get('rps'), '{:,.0f}')} "
+            f"| {_spread(d.get('ratio_vs_direct'), '{:.3f}')} "
+            f"| {_spread(d.get('cpu_ms_per_req'), '{:.3f}')} | {_spread(d.get('rps_per_core'), '{:,.0f}')} "
+            f"| {_spread(d.get('added_p50_ms'))} ms | {_spread(d.get('added_p99_ms'))} ms "
+            f"| {_spread(d.get('added_ttft_p50_ms'))} ms |")
+    lines += [f"\n{spec} failed: {error}" for spec, error in failed.items()]
+    variants = list(record.get("raw", {}).get("variants", {}))
+    if variants:
+        lines += ["", "| fleetroute configuration | req/s | CPU ms per request | vs default, same run |",
+                  "|---|---|---|---|",
+                  f"| default: uvloop, access log on, `workers: 1`, one core | {_spread(s['router_rps'], '{:,.0f}')} "
+                  f"| {_spread(s['router_cpu_ms_per_req'], '{:.3f}')} | 1 |"]
+        for label in variants:
+            lines.append(f"| {label} | {_spread(s.get(label + '_rps'), '{:,.0f}')} "
+                         f"| {_spread(s.get(label + '_cpu_ms_per_req'), '{:.3f}')} "
+                         f"| {_spread(s.get(label + '_vs_main'), '{:.2f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def render(name: str, results: Path, images: Path) -> str | None:
+    """The block's new text, or None when its results are not there."""
+    if name.startswith("lab:"):
+        path = results / "lab" / f"{name[4:]}.md"
+        return path.read_text() if path.exists() else None
+    if name == "overhead":
+        found = sorted((results / "overhead").glob("router-overhead-*.json"))
+        return overhead_table(json.loads(found[-1].read_text())) if found else None
+    if name == "scale":
+        from loadtest.scale.report import render_markdown, write_plots
+
+        path = results / "scale" / "scale.json"
+        if not path.exists():
+            return None
+        result = json.loads(path.read_text())
+        plots = write_plots(result, images)
+        text = render_markdown(result)
+        return text + "\n" + "\n".join(f"![{p.stem}](img/{p.name})" for p in plots) + "\n"
+    path = results / name / "results.json"
+    if not path.exists():
+        return None
+    from loadtest.plots import write_plots as scenario_plots
+    from loadtest.report import render_markdown as scenario_markdown
+
+    result = json.loads(path.read_text())
+    plots = scenario_plots(result, images)
+    return scenario_markdown(result, images=[f"img/{p.name}" for p in plots])
+
+
+def publish(doc: Path, results: Path, images: Path) -> list[str]:
+    images.mkdir(parents=True, exist_ok=True)
+    text = doc.read_text()
+    missing: list[str] = []
+
+    def fill(match: re.Match[str]) -> str:
+        name = match.group("name")
+        body = render(name, results, images)
+        if body is None:
+            missing.append(name)
+            return match.group(0)
+        return match.group(1) + body.rstrip() + "\n" + match.group(4)
+
+    doc.write_text(BLOCK.sub(fill, text))
+    return missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.publish", description=__doc__.split("\n\n")[0])
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    p.add_argument("--results", type=Path, default=ROOT / "loadtest" / "results" / "bench")
+    p.add_argument("--images", type=Path, default=ROOT / "docs" / "img")
+    args = p.parse_args(argv)
+    missing = publish(args.doc, args.results, args.images)
+    for name in missing:
+        print(f"no results for block {name!r}: left as it was", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

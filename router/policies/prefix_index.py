@@ -1,0 +1,265 @@
+"""The prefix index: per endpoint, an approximate, bounded picture of which prompt blocks its KV cache holds.
+
+What it stores: per endpoint, an LRU set of chained block hashes (router/policies/prefix_aware.py says how
+a prompt becomes hashes) that were routed there, by this router (`record`) or by other router replicas
+(`merge`, fed from Redis by router/prefix_sharing.py). It is an approximation of the engine's cache: the
+engine evicts under its own memory pressure and the index never sees that, so each endpoint's LRU bound is
+sized to what the engine can hold and corrected by comparison with the engine's own hit rate
+(router/policies/prefix_tuning.py).
+
+The bound of an endpoint is `effective = base x factor`, where `base` is the configured bound or, with
+`maxBlocksPerEndpoint: auto`, the engine's KV capacity in router blocks (set at picker build from
+telemetry), and `factor` in (0, 1] is the tuner's. Lowering a bound evicts at once, so memory follows it.
+
+Memory: CPython's OrderedDict costs about 140 bytes per entry (the 64-bit int key included: measured with
+tracemalloc), so 16384 blocks (an 8192-block x 128-token vLLM cache at ~64 tokens per router block) is
+about 2.3 MB per endpoint, and the fallback bound of 32768 about 4.6 MB.
+
+Each entry's value is a stamp: the upkeep clock (`now`, set by the background task; the picker reads no
+clock) when the block was last announced to the other replicas. A block a router keeps routing is announced
+again once its stamp is older than `refresh_after` (half the sharing TTL), so a replica warming up from the
+shared stream sees every block still in use, without each hot block being re-sent on every request.
+
+Safety of mutation on the request path: every pick runs synchronously on the event loop thread, so the
+read (`matched`) and the write (`record`) of one pick never interleave with another's; a lost or stale
+entry costs one cache miss, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+FALLBACK_BLOCKS = 32768  # bound while an endpoint's KV capacity is unknown (see prefix_aware)
+MIN_BLOCKS = 64  # sizing and tuning never go below this (a bound set explicitly lower is kept)
+OUTBOX_LIMIT = 65536  # blocks waiting to be shared, per pool (~6 MB): beyond, new ones are dropped (counted)
+CHANGES_KEPT = 256
+
+
+@dataclass(frozen=True, slots=True)
+class BoundChange:
+    """An endpoint's effective bound moved (a log line and a metric for the background task)."""
+
+    endpoint_id: str
+    old: int | None  # None: the endpoint had no bound yet
+    new: int
+    reason: str  # config | fallback | kv_capacity | shrink | grow
+
+
+class PrefixIndex:
+    """Per endpoint, an LRU set of block hashes routed there. Kept by the balancer across rebuilds."""
+
+    __slots__ = ("by_endpoint", "now", "refresh_after", "tuning", "changes", "_base", "_factor", "_bound",
+                 "_estimate", "_outbox", "_outbox_size", "_dropped")
+
+    def __init__(self) -> None:
+        self.by_endpoint: dict[str, OrderedDict[int, float]] = {}
+        self.now = 0.0  # the upkeep clock; stamps compare against it
+        self.refresh_after = 300.0
+        self.tuning: dict[str, object] = {}  # per endpoint, owned by prefix_tuning
+        self.changes: deque[BoundChange] = deque(maxlen=CHANGES_KEPT)
+        self._base: dict[str, int] = {}
+        self._factor: dict[str, float] = {}
+        self._bound: dict[str, int] = {}
+        self._estimate: dict[str, list[float]] = {}  # per endpoint: [requests, matched chars, prompt chars]
+        self._outbox: dict[str, dict[int, None]] | None = None  # None: not shared (no Redis)
+        self._outbox_size = 0
+        self._dropped = 0
+
+    # ---- the request path (pickers, scorers) -----------------------------------------------------------
+
+    def matched(self, endpoint_id: str, hashes: list[int]) -> int:
+        """How many leading blocks of `hashes` the endpoint's index holds."""
+        blocks = self.by_endpoint.get(endpoint_id)
+        if not blocks:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def record(self, endpoint_id: str, hashes: list[int]) -> None:
+        """The request with these block hashes was routed to the endpoint: insert or refresh them (and queue
+        them for the other replicas when shared), then evict beyond the bound."""
+        blocks = self.by_endpoint.get(endpoint_id)
+        if blocks is None:
+            blocks = self.by_endpoint[endpoint_id] = OrderedDict()
+        now = self.now
+        outbox = self._outbox
+        # Deepest block first, so the prefix's root ends up most recent and LRU evicts leaves before the
+        # blocks they hang from (a chain missing its root could never match anyway).
+        if outbox is None:
+            for h in reversed(hashes):
+                if h in blocks:
+                    blocks.move_to_end(h)
+                else:
+                    blocks[h] = now
+        else:
+            stale = now - self.refresh_after
+            queue = outbox.get(endpoint_id)
+            if queue is None:
+                queue = outbox[endpoint_id] = {}
+            for h in reversed(hashes):
+                stamp = blocks.get(h)
+                if stamp is not None:
+                    blocks.move_to_end(h)
+                    if stamp > stale:
+                        continue  # announced recently enough
+                blocks[h] = now
+                if h not in queue:
+                    if self._outbox_size < OUTBOX_LIMIT:
+                        queue[h] = None
+                        self._outbox_size += 1
+                    else:
+                        self._dropped += 1
+        self._evict(endpoint_id, blocks)
+
+    def observe(self, endpoint_id: str, matched_chars: int, prompt_chars: int) -> None:
+        """A request went to the endpoint with `matched_chars` of its `prompt_chars` found in the index (the
+        estimated hit rate the tuner compares with the engine's)."""
+        acc = self._estimate.get(endpoint_id)
+        if acc is None:
+            acc = self._estimate[endpoint_id] = [0.0, 0.0, 0.0]
+        acc[0] += 1
+        acc[1] += matched_chars
+        acc[2] += prompt_chars
+
+    # ---- background (upkeep, sharing, tuning) --------------------------------------------------------
+
+    def merge(self, endpoint_id: str, hashes: list[int]) -> None:
+        """Blocks another replica routed to the endpoint, oldest first: inserted as most recent, not queued
+        again (no echo), stamped now (they were just announced)."""
+        blocks = self.by_endpoint.get(endpoint_id)
+        if blocks is None:
+            blocks = self.by_endpoint[endpoint_id] = OrderedDict()
+        now = self.now
+        for h in hashes:
+            if h in blocks:
+                blocks.move_to_end(h)
+            blocks[h] = now
+        self._evict(endpoint_id, blocks)
+
+    def estimate(self, endpoint_id: str) -> tuple[float, float, float]:
+        """Cumulative (requests, matched chars, prompt chars) routed to the endpoint."""
+        acc = self._estimate.get(endpoint_id)
+        return (acc[0], acc[1], acc[2]) if acc is not None else (0.0, 0.0, 0.0)
+
+    def bound(self, endpoint_id: str) -> int:
+        return self._bound.get(endpoint_id, FALLBACK_BLOCKS)
+
+    def factor(self, endpoint_id: str) -> float:
+        return self._factor.get(endpoint_id, 1.0)
+
+    def has_base(self, endpoint_id: str) -> bool:
+        return endpoint_id in self._base
+
+    def set_base(self, endpoint_id: str, blocks: int, reason: str) -> None:
+        """The bound before tuning: configured, the fallback, or the engine's KV capacity in blocks."""
+        if self._base.get(endpoint_id) != blocks:
+            self._base[endpoint_id] = blocks
+            self._apply(endpoint_id, reason)
+
+    def set_factor(self, endpoint_id: str, factor: float, reason: str) -> None:
+        """The tuner's multiplier of the base bound, in (0, 1]."""
+        if self._factor.get(endpoint_id, 1.0) != factor:
+            self._factor[endpoint_id] = factor
+            self._apply(endpoint_id, reason)
+
+    def _apply(self, endpoint_id: str, reason: str) -> None:
+        base = self._base.get(endpoint_id, FALLBACK_BLOCKS)
+        factor = self._factor.get(endpoint_id, 1.0)
+        new = base if factor >= 1.0 else max(min(base, MIN_BLOCKS), int(base * factor))
+        old = self._bound.get(endpoint_id)
+        if old == new:
+            return
+        self._bound[endpoint_id] = new
+        self.changes.append(BoundChange(endpoint_id, old, new, reason))
+        blocks = self.by_endpoint.get(endpoint_id)
+        if blocks is not None:
+            self._evict(endpoint_id, blocks)
+
+    def _evict(self, endpoint_id: str, blocks: OrderedDict[int, float]) -> None:
+        bound = self._bound.get(endpoint_id, FALLBACK_BLOCKS)
+        while len(blocks) > bound:
+            blocks.popitem(last=False)
+
+    def retain(self, endpoint_ids: set[str]) -> None:
+        """Bound the index to the pool. An endpoint missing from one build is often only ejected or
+        draining for a while and comes back with its cache warm, so its index is kept; only when absent
+        endpoints outnumber the pool (pods replaced under new names) are theirs dropped."""
+        if len(self.by_endpoint) <= 2 * len(endpoint_ids) + 4 and len(self._bound) <= 2 * len(endpoint_ids) + 4:
+            return
+        for table in (self.by_endpoint, self._base, self._factor, self._bound, self._estimate, self.tuning):
+            for gone in [e for e in table if e not in endpoint_ids]:
+                del table[gone]
+        if self._outbox is not None:
+            for gone in [e for e in self._outbox if e not in endpoint_ids]:
+                self._outbox_size -= len(self._outbox.pop(gone))
+
+    def size(self, endpoint_id: str) -> int:
+        return len(self.by_endpoint.get(endpoint_id, ()))
+
+    # ---- sharing ----------------------------------------------------------------------------------------
+
+    @property
+    def shared(self) -> bool:
+        return self._outbox is not None
+
+    def start_sharing(self, refresh_after: float = 300.0) -> None:
+        """From now on, recorded blocks are queued for the other replicas (called by the sharing task)."""
+        self.refresh_after = refresh_after
+        if self._outbox is None:
+            self._outbox = {}
+            # What the index learnt before sharing started (the picks before the first background round) is
+            # announced too, its most recent blocks first in line for the limit.
+            share = OUTBOX_LIMIT // max(1, len(self.by_endpoint))
+            for endpoint_id, blocks in self.by_endpoint.items():
+                recent = list(blocks)[-share:]
+                self._outbox[endpoint_id] = dict.fromkeys(recent)
+                self._outbox_size += len(recent)
+
+    def pending(self, limit: int) -> dict[str, list[int]]:
+        """Up to `limit` queued blocks, oldest first per endpoint (left queued until `sent`)."""
+        out: dict[str, list[int]] = {}
+        if not self._outbox:
+            return out
+        room = limit
+        for endpoint_id, queue in self._outbox.items():
+            if room <= 0:
+                break
+            if not queue:
+                continue
+            taken: list[int] = []
+            for h in queue:
+                taken.append(h)
+                if len(taken) >= room:
+                    break
+            out[endpoint_id] = taken
+            room -= len(taken)
+        return out
+
+    def sent(self, batch: dict[str, list[int]]) -> None:
+        """The batch from `pending` reached Redis: unqueue it."""
+        if self._outbox is None:
+            return
+        for endpoint_id, hashes in batch.items():
+            queue = self._outbox.get(endpoint_id)
+            if queue is None:
+                continue
+            for h in hashes:
+                if h in queue:
+                    del queue[h]
+                    self._outbox_size -= 1
+            if not queue:
+                del self._outbox[endpoint_id]
+
+    def take_dropped(self) -> int:
+        """Blocks not queued since the last call because the outbox was full."""
+        dropped, self._dropped = self._dropped, 0
+        return dropped
+
+    @property
+    def queued(self) -> int:
+        return self._outbox_size

@@ -1,0 +1,133 @@
+"""The prefix-aware policy's background work, so that its pickers stay free of I/O and clocks.
+
+Every `UPKEEP_INTERVAL` (250 ms), for each pool with a prefix index (the prefix-aware strategy, or a composite
+with a prefix scorer):
+
+1. the index clock (`PrefixIndex.now`, the stamp of recorded blocks) is set;
+2. tuning (router/policies/prefix_tuning.py) compares, per endpoint, the hit rate the index claimed with the
+   engine's own (telemetry) over the last window and moves the endpoint's bound; each change is logged and
+   counted, and both hit rates are exported (`fleetroute_prefix_cache_hit_rate{source}`);
+3. with Redis, the index is exchanged with the other replicas (router/prefix_sharing.py);
+4. index sizes and bounds are exported per endpoint (series of endpoints that left are removed).
+
+A round holds a lock, so a test or tool calling `round()` never interleaves with the loop's own round.
+`round_done` is replaced after each round: waiters learn a round has completed without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from router.background import contained
+from router.balancer import Balancer
+from router.metrics import RouterMetrics
+from router.policies.prefix_aware import PrefixAwareConfig
+from router.policies.prefix_index import PrefixIndex
+from router.policies.prefix_tuning import WindowResult, tune
+from router.prefix_sharing import PrefixSharing, SharedPool, stream_key
+from router.settings import PolicySpec
+
+log = logging.getLogger("fleetroute.prefix")
+
+UPKEEP_INTERVAL = 0.25
+
+
+def prefix_settings(params: object) -> PrefixAwareConfig | None:
+    """The prefix index settings of a pool's policy: prefix-aware's own, or a composite's prefix scorer's."""
+    if isinstance(params, PrefixAwareConfig):
+        return params
+    prefix = getattr(params, "prefix", None)
+    return prefix if isinstance(prefix, PrefixAwareConfig) else None
+_LOGGED_REASONS = {"kv_capacity", "shrink", "grow"}  # initial sizing (config, fallback) is logged at debug
+
+
+class PrefixUpkeep:
+    def __init__(
+        self,
+        *,
+        balancer: Balancer,
+        metrics: RouterMetrics,
+        sharing: PrefixSharing | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._balancer = balancer
+        self._metrics = metrics
+        self.sharing = sharing
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self.round_done = asyncio.Event()
+        self._sized: set[tuple[str, str, str]] = set()
+        self._rated: set[tuple[str, str, str, str]] = set()
+
+    def _pools(self) -> list[tuple[PolicySpec, str, PrefixIndex, PrefixAwareConfig]]:
+        return [(spec, model, state, config) for spec, model, state in self._balancer.pool_states()
+                if isinstance(state, PrefixIndex) and (config := prefix_settings(spec.params)) is not None]
+
+    async def round(self) -> None:
+        async with self._lock:
+            now = self._clock()
+            pools = self._pools()
+            endpoints = self._balancer.endpoints()
+            shared: list[SharedPool] = []
+            for spec, model, index, config in pools:
+                index.now = now
+                views = self._balancer.candidates(model)
+                results = tune(index, {v.id: v.telemetry for v in views}, now, config.tuning)
+                self._report(spec.name, model, index, results)
+                if self.sharing is not None and config.sharing.enabled:
+                    shared.append(SharedPool(
+                        key=stream_key(spec.name, model, config.block_chars), index=index, ttl=config.sharing.ttl,
+                        max_entries=config.sharing.max_stream_entries,
+                        # Endpoints serving the model, whatever their health: an ejected one comes back warm.
+                        endpoints=frozenset(ep.id for ep in endpoints if model in ep.models),
+                    ))
+            if self.sharing is not None and shared:
+                await self.sharing.exchange(shared)
+            self._export(pools)
+        done, self.round_done = self.round_done, asyncio.Event()
+        done.set()
+
+    def _report(self, policy: str, model: str, index: PrefixIndex, results: list[WindowResult]) -> None:
+        by_endpoint = {r.endpoint_id: r for r in results}
+        for r in results:
+            for source, rate in (("estimated", r.estimated), ("engine", r.engine)):
+                if rate is not None:
+                    self._metrics.prefix_hit_rate.labels(policy, model, r.endpoint_id, source).set(rate)
+                    self._rated.add((policy, model, r.endpoint_id, source))
+        while index.changes:
+            change = index.changes.popleft()
+            self._metrics.prefix_bound_changes.labels(policy, change.reason).inc()
+            extra: dict[str, object] = {"policy": policy, "model": model, "endpoint": change.endpoint_id,
+                                        "old_bound": change.old, "new_bound": change.new, "reason": change.reason}
+            result = by_endpoint.get(change.endpoint_id)
+            if change.reason in ("shrink", "grow") and result is not None:
+                extra.update(estimated_hit_rate=round(result.estimated or 0.0, 4),
+                             engine_hit_rate=round(result.engine or 0.0, 4), factor=round(result.factor, 4),
+                             window_requests=result.requests)
+            (log.info if change.reason in _LOGGED_REASONS else log.debug)("prefix index bound changed", extra=extra)
+
+    def _export(self, pools: list[tuple[PolicySpec, str, PrefixIndex, PrefixAwareConfig]]) -> None:
+        sized: set[tuple[str, str, str]] = set()
+        for spec, model, index, _ in pools:
+            for view in self._balancer.candidates(model):
+                labels = (spec.name, model, view.id)
+                self._metrics.prefix_index_blocks.labels(*labels).set(index.size(view.id))
+                self._metrics.prefix_index_bound.labels(*labels).set(index.bound(view.id))
+                sized.add(labels)
+        for gone in self._sized - sized:
+            self._metrics.prefix_index_blocks.remove(*gone)
+            self._metrics.prefix_index_bound.remove(*gone)
+        self._sized = sized
+        for labels in [r for r in self._rated if r[:3] not in sized]:
+            self._metrics.prefix_hit_rate.remove(*labels)
+            self._rated.discard(labels)
+
+
+async def run_upkeep(upkeep: PrefixUpkeep, metrics: RouterMetrics, interval: float = UPKEEP_INTERVAL) -> None:
+    while True:
+        with contained("prefix_upkeep", metrics):
+            await upkeep.round()
+        await asyncio.sleep(interval)
