@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -152,6 +153,9 @@ class VllmServer:
             "VLLM_DO_NOT_TRACK": "1",
             "VLLM_SERVER_DEV_MODE": "1",  # for /pause?mode=keep and /resume (see freeze_with_backlog)
             "PYTHONUNBUFFERED": "1",
+            # An engine process killed by a signal (SIGILL on a CPU the wheel was not built for, SIGSEGV) then
+            # leaves "Fatal Python error: ..." and its stack in the log instead of dying silently.
+            "PYTHONFAULTHANDLER": "1",
         }
         env.pop("VIRTUAL_ENV", None)
         cmd = [
@@ -192,6 +196,16 @@ class VllmServer:
             raise RuntimeError(f"vLLM on port {self.port} logged start-up but /health answered {status}")
         self.startup_seconds = time.monotonic() - self._started_at
 
+    def check_serves(self) -> None:
+        """One tiny completion: a server whose engine dies at its first step (an instruction this CPU lacks, a
+        kernel killed for memory) answers /health until then, and every test after would fail obscurely."""
+        try:
+            post_json(self.url + "/v1/completions", {"model": SERVED_MODEL, "prompt": "Hi", "max_tokens": 2})
+        except (OSError, EngineError) as err:
+            alive = "still running" if self.process and self.process.poll() is None else "exited"
+            raise RuntimeError(f"vLLM on port {self.port} started but could not serve one completion ({err}); "
+                               f"the server {alive}; log {self.log_path}:\n{self.log_tail(60)}") from None
+
     def stop(self, grace: float = 20.0) -> None:
         process = self.process
         if process is None or process.returncode is not None:
@@ -220,16 +234,28 @@ def vllm_servers(python: Path, workdir: Path, n: int = 2) -> Iterator[list[VllmS
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             for future in [pool.submit(s.wait_ready) for s in servers]:
                 future.result()
+        for server in servers:
+            server.check_serves()
         yield servers
     finally:
         for server in servers:
             server.stop()
 
 
+class EngineError(RuntimeError):
+    """A non-2xx answer from vLLM, with its body (the error vLLM gave), the response already closed."""
+
+
 def post_json(url: str, body: dict, timeout: float = 120.0) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback only
-        return json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback only
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        # Read and close here: an HTTPError kept in a failure report holds its socket open until collected.
+        with err:
+            detail = err.read(2000).decode(errors="replace")
+        raise EngineError(f"POST {url} answered {err.code}: {detail}") from None
 
 
 # Over one KV block (128 tokens on the CPU backend): identical prompts admitted later hit the prefix cache.
