@@ -168,7 +168,10 @@ def summarise(attempt: Attempt) -> str:
                               f"blocks) and no load guard tripped",
         "prefix_miss": lambda: (f"no endpoint holds the prompt's first block ({d.get('blocks_hashed')} hashed)"
                                 if d.get("blocks_hashed") else "the prompt is shorter than one block, nothing to "
-                                "match") + f"; the less loaded of {', '.join(trace.sampled)}",
+                                "match") + f"; the least loaded ({fmt(mine.get('load'))})",
+        "prefix_short": lambda: (f"the longest cached prefix ({d.get('best_match_blocks')} of {d.get('blocks_hashed')} "
+                                 f"blocks) is under minMatchShare ({fmt(d.get('min_match_share'))}) of the prompt; "
+                                 f"the least loaded ({fmt(mine.get('load'))})"),
         "least_load_per_score": lambda: (
             f"the least load per unit of score and weight of the {len(trace.sampled)} sampled (load "
             f"{fmt(mine.get('load'))}, score {fmt(mine.get('score'))}, key {fmt(mine.get('key'))})"),
@@ -183,7 +186,7 @@ def summarise(attempt: Attempt) -> str:
         guard = d.get("guards", {}).get(name, {})
         return (f"the best prefix match ({', '.join(d.get('best', []))}, {d.get('best_match_blocks')} blocks) "
                 f"tripped the {name} guard ({fmt(guard.get('value'))} against a limit of {fmt(guard.get('limit'))}); "
-                f"the less loaded of {', '.join(trace.sampled)}")
+                f"the least loaded ({fmt(mine.get('load'))})")
     return reason or "unexplained"
 
 

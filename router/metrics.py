@@ -93,10 +93,11 @@ class RouterMetrics:
             "fleetroute_policy_events",
             "Noteworthy policy decisions: hash_key_missing (consistent-hash fell back to least-connections), "
             "telemetry_unknown (adaptive picked an endpoint without fresh telemetry), load_bound_overflow "
-            "(a key walked the ring past an endpoint at its load bound), prefix_hit / prefix_miss (prefix-aware "
-            "found / found no endpoint holding the prompt's leading blocks), load_guard_in_flight / "
-            "load_guard_imbalance / load_guard_load_factor / load_guard_sigma (prefix-aware left the best prefix "
-            "match because it tripped that load guard: maxInFlight, maxImbalance, maxLoadFactor, sigmaK).",
+            "(a key walked the ring past an endpoint at its load bound), prefix_hit / prefix_miss / prefix_short "
+            "(prefix-aware found / found no endpoint holding the prompt's leading blocks / found one holding less "
+            "than minMatchShare of them), load_guard_in_flight / load_guard_imbalance / load_guard_load_factor / "
+            "load_guard_sigma (prefix-aware left the best prefix match because it tripped that load guard: "
+            "maxInFlight, maxImbalance, maxLoadFactor, sigmaK).",
             ["policy", "event"],
             registry=r,
         )

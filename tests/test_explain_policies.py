@@ -74,11 +74,6 @@ def _least(trace: DecisionTrace, chosen: str) -> None:
     assert set(trace.detail.get("tied_with", [chosen])) <= set(tied)
 
 
-def _better_of_sample(trace: DecisionTrace, chosen: str) -> None:
-    assert chosen in trace.sampled
-    assert all(trace.candidates[chosen]["load"] <= trace.candidates[s]["load"] for s in trace.sampled)
-
-
 def justify(trace: DecisionTrace, chosen: str, exclude: frozenset[str] = frozenset()) -> None:
     """The trace, read the way the docs tell an operator to read it, leads to the chosen endpoint."""
     reason, detail = trace.reason, trace.detail
@@ -111,7 +106,10 @@ def justify(trace: DecisionTrace, chosen: str, exclude: frozenset[str] = frozens
         assert not any(g["tripped"] for g in detail["guards"].values())
     elif reason == "prefix_miss":
         assert detail["best_match_blocks"] == 0
-        _better_of_sample(trace, chosen)
+        _least(trace, chosen)
+    elif reason == "prefix_short":
+        assert 0 < detail["best_match_blocks"] < detail["min_match_share"] * detail["blocks_hashed"]
+        _least(trace, chosen)
     elif reason in ("least_load_per_score", "best_score"):  # adaptive, composite: the least key of the sample
         keys = {i: trace.candidates[i]["key"] for i in trace.sampled}
         assert keys[chosen] == min(keys.values())
@@ -119,7 +117,7 @@ def justify(trace: DecisionTrace, chosen: str, exclude: frozenset[str] = frozens
     elif reason.startswith("load_guard_"):
         tripped = [name for name, g in detail["guards"].items() if g["tripped"]]
         assert tripped and "load_guard_" + tripped[0] == reason  # the first guard that trips names it
-        _better_of_sample(trace, chosen)
+        _least(trace, chosen)
     else:
         raise AssertionError(f"unexpected reason {reason!r}")
 
@@ -230,7 +228,18 @@ def test_prefix_hit_then_load_guard() -> None:
     assert guarded.reason == "load_guard_imbalance"
     assert "tripped the imbalance guard (12 against a limit of 8)" in summarise(Attempt(got, guarded, {}, {}))
     assert guarded.detail["guards"]["imbalance"] == {"value": 12.0, "limit": 8, "tripped": True}
-    assert len(guarded.sampled) == 2 and guarded.detail["fallback"] == "two_choices"
+    # The fallback is least-connections' choice: the least loaded, here a tie of a and c.
+    assert got in {"a", "c"} and guarded.detail["fallback"] == "least_loaded"
+    assert guarded.detail["tied"] == 2 and sorted(guarded.detail["tied_with"]) == ["a", "c"]
+    # A match too short to count: LONG's four blocks (b holds them, and now the guarded pick's choice too)
+    # then a new tail. 4 of 12 hashed blocks (0.33) clears the default minMatchShare 0.2; 4 of 40 (0.1) does
+    # not, and the least loaded (c) takes it.
+    got, kept = traced_pick(picker, request(prompt=LONG + "x" * 8 * 256), Loads({"a": 1, "c": 1}), frozenset())
+    assert kept.reason == "prefix_hit" and got == "b"
+    got, short = traced_pick(picker, request(prompt=LONG + "y" * 36 * 256), Loads({"a": 1, "b": 1}), frozenset())
+    assert short.reason == "prefix_short" and got == "c"
+    assert short.detail["best_match_blocks"] == 4 and short.detail["blocks_hashed"] == 40
+    assert "(4 of 40 blocks) is under minMatchShare (0.2)" in summarise(Attempt(got, short, {}, {}))
     # The prefix's owner excluded on a retry: the others hold nothing of it.
     got, retry = traced_pick(picker, request(prompt=LONG), Loads(), frozenset({"b"}))
     assert got != "b" and "b" not in retry.candidates
