@@ -41,7 +41,7 @@ from loadtest.arrivals import PROCESSES
 from loadtest.stats import Slo
 from loadtest.workload import APIS, KINDS
 from router.presets import merge
-from router.settings import ConfigError, _Fields, _show, parse_settings
+from router.settings import ConfigError, Fields, _show, parse_settings
 
 TELEMETRY_MODES = ("redis", "embedded")
 MODES = ("open", "closed")
@@ -158,7 +158,7 @@ _WORKLOAD_FIELDS: dict[str, dict[str, str]] = {
 }
 
 
-def _number_list(f: _Fields, key: str, *, minimum: float, integer: bool = False) -> tuple[float, ...]:
+def _number_list(f: Fields, key: str, *, minimum: float, integer: bool = False) -> tuple[float, ...]:
     raw = f.get(key)
     if raw is None:
         return ()
@@ -172,13 +172,13 @@ def _number_list(f: _Fields, key: str, *, minimum: float, integer: bool = False)
     return tuple(sorted(raw))
 
 
-def _fleet(f: _Fields) -> FleetSpec:
+def _fleet(f: Fields) -> FleetSpec:
     from worker.sim.profiles import profile
 
     d = FleetSpec()
     groups = []
     for path, item in f.items("replicas") or []:
-        g = _Fields(item, path)
+        g = Fields(item, path)
         gpu = g.string("gpu")
         try:
             profile(gpu)
@@ -207,7 +207,7 @@ def _fleet(f: _Fields) -> FleetSpec:
     ids = {rid for rid, _ in spec.replica_ids()}
     faults = []
     for path, item in f.items("faults"):
-        g = _Fields(item, path)
+        g = Fields(item, path)
         replica = g.string("replica")
         if replica not in ids:
             raise ConfigError(g.at("replica"), f"no such replica {replica!r} (replicas: {', '.join(sorted(ids))})")
@@ -241,7 +241,7 @@ def _trace_path(value: str, where: str, base: Path | None) -> Path:
                              "set FLEETROUTE_TRACE_DIR)")
 
 
-def _workload(f: _Fields, model: str, base: Path | None) -> WorkloadSpec:
+def _workload(f: Fields, model: str, base: Path | None) -> WorkloadSpec:
     kind = f.choice("kind", "sessions", KINDS)
     fields = _WORKLOAD_FIELDS[kind]
     params: dict[str, Any] = {}
@@ -288,7 +288,7 @@ def build_workload(spec: WorkloadSpec, model: str) -> Any:
     return workload.TraceWorkload(model=model, records=tuple(workload.read_trace(spec.trace_path)), **spec.params)
 
 
-def _load(f: _Fields) -> LoadSpec:
+def _load(f: Fields) -> LoadSpec:
     mode = f.choice("mode", "open", MODES)
     rates = _number_list(f, "rates", minimum=0)
     fractions = _number_list(f, "capacityFractions", minimum=0)
@@ -317,7 +317,7 @@ def _load(f: _Fields) -> LoadSpec:
     return spec
 
 
-def _policies(f: _Fields, fleet: FleetSpec) -> tuple[PolicyEntry, ...]:
+def _policies(f: Fields, fleet: FleetSpec) -> tuple[PolicyEntry, ...]:
     entries: list[PolicyEntry] = []
     for path, item in f.items("policies"):
         if isinstance(item, str) and ":" in item:
@@ -372,7 +372,7 @@ def _peer_entry(path: str, spelling: Any, label: str | None = None) -> PolicyEnt
 
 
 def parse_scenario(raw: Any, *, path: Path | None = None) -> Scenario:
-    top = _Fields(raw, "")
+    top = Fields(raw, "")
     base = path.parent if path is not None else None
     fleet = _fleet(top.sub("fleet"))
     workload = _workload(top.sub("workload"), fleet.model, base)

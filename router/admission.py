@@ -74,7 +74,7 @@ from router.balancer import Balancer
 from router.errors import error_response
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
-from router.settings import ConfigError, PolicySpec, _Fields, _show
+from router.settings import ConfigError, Fields, PolicySpec, _show
 
 log = logging.getLogger("fleetroute.admission")
 
@@ -131,7 +131,7 @@ class AdmissionSettings:
         return self._by_name[self.default_class]
 
 
-def parse_admission(f: _Fields) -> AdmissionSettings:
+def parse_admission(f: Fields) -> AdmissionSettings:
     """Parse a policy's `admission:` block (settings.py calls this; errors name the field)."""
     defaults = AdmissionSettings()
     max_queue = f.integer("maxQueue", defaults.max_queue, minimum=0, maximum=1_000_000)
@@ -178,7 +178,7 @@ def parse_admission(f: _Fields) -> AdmissionSettings:
     )
 
 
-def _classes(f: _Fields) -> tuple[PriorityClass, ...]:
+def _classes(f: Fields) -> tuple[PriorityClass, ...]:
     raw = f.get("classes")
     if raw is None:
         return DEFAULT_CLASSES
@@ -192,7 +192,7 @@ def _classes(f: _Fields) -> tuple[PriorityClass, ...]:
     for rank, (name, body) in enumerate(raw.items()):
         if not isinstance(name, str) or not _CLASS_NAME.match(name):
             raise ConfigError(f"{where}.{name}", "class names must be lower-case letters, digits, '-' or '_' (1-32)")
-        c = _Fields(body, f"{where}.{name}")
+        c = Fields(body, f"{where}.{name}")
         deadline = c.duration("deadline", 60.0)
         c.done()
         out.append(PriorityClass(name, rank, deadline))

@@ -46,7 +46,7 @@ from multidict import CIMultiDict
 
 from router.errors import error_response
 from router.metrics import RouterMetrics
-from router.settings import ConfigError, _Fields
+from router.settings import ConfigError, Fields
 
 ADMIN_TOKEN_ENV = "FLEETROUTE_ADMIN_TOKEN"
 DEFAULT_MAX_HEADER_BYTES = 8190  # aiohttp's (and nginx's large_client_header_buffers) default line size
@@ -76,7 +76,7 @@ class AuthSettings:
         return bool(self.api_key_digests)
 
 
-def parse_auth(top: _Fields) -> AuthSettings | None:
+def parse_auth(top: Fields) -> AuthSettings | None:
     """The `auth:` block and `admin.tokenEnv`, with the secrets they point to read now; None if none is set."""
     f = top.sub("auth")
     keys: list[tuple[str, bool]] = []  # (key, may ask for explanations)
@@ -106,7 +106,7 @@ def parse_auth(top: _Fields) -> AuthSettings | None:
         upstream = f"Bearer {value}"
     f.done()
     admin = top.raw.get("admin")
-    admin_fields = _Fields(admin if isinstance(admin, Mapping) else None, "admin")
+    admin_fields = Fields(admin if isinstance(admin, Mapping) else None, "admin")
     token_env = _env_name(admin_fields, "tokenEnv")  # admin's other fields are read by settings._address
     explicit = token_env is not None
     token_env = token_env or ADMIN_TOKEN_ENV
@@ -128,7 +128,7 @@ def parse_auth(top: _Fields) -> AuthSettings | None:
     )
 
 
-def _env_name(f: _Fields, key: str) -> str | None:
+def _env_name(f: Fields, key: str) -> str | None:
     if f.get(key) is None:
         return None
     name = f.string(key)

@@ -49,7 +49,7 @@ import orjson
 
 from router.metrics import RouterMetrics
 from router.policies.base import DecisionTrace
-from router.settings import _Fields
+from router.settings import Fields
 
 log = logging.getLogger("fleetroute.decisions")
 
@@ -76,7 +76,7 @@ class ExplainSettings:
     header_candidates: int = 8  # candidates shown in the response header and the log line
 
 
-def parse_explain(f: _Fields) -> ExplainSettings:
+def parse_explain(f: Fields) -> ExplainSettings:
     d = ExplainSettings()
     settings = ExplainSettings(
         sample_rate=f.number("sampleRate", d.sample_rate, minimum=0, maximum=1),

@@ -178,7 +178,7 @@ class Settings:
     explain: ExplainSettings | None = None  # router.explain: sampling and recent decisions; None: the defaults
 
 
-class _Fields:
+class Fields:
     """Reads one mapping of the config, tracking which keys were used so the rest can be reported."""
 
     def __init__(self, raw: Any, path: str) -> None:
@@ -248,8 +248,8 @@ class _Fields:
             raise ConfigError(self.at(key), f"must be one of {', '.join(options)}; got {_show(value)}")
         return value
 
-    def sub(self, key: str) -> _Fields:
-        return _Fields(self.get(key), self.at(key))
+    def sub(self, key: str) -> Fields:
+        return Fields(self.get(key), self.at(key))
 
     def items(self, key: str) -> list[tuple[str, Any]]:
         value = self.get(key, [])
@@ -271,7 +271,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _address(fields: _Fields, key: str, default: Address, env_prefix: str, *, others: tuple[str, ...] = ()) -> Address:
+def _address(fields: Fields, key: str, default: Address, env_prefix: str, *, others: tuple[str, ...] = ()) -> Address:
     sub = fields.sub(key)
     host = sub.string("host", default.host)
     port = sub.integer("port", default.port, minimum=0, maximum=65535)
@@ -289,7 +289,7 @@ def _address(fields: _Fields, key: str, default: Address, env_prefix: str, *, ot
 
 
 def _endpoint(path: str, raw: Any) -> Endpoint:
-    f = _Fields(raw, path)
+    f = Fields(raw, path)
     endpoint_id = f.string("id")
     if not ENDPOINT_ID.match(endpoint_id):
         raise ConfigError(f.at("id"), f"must be letters, digits, '.', '_', ':' or '-', got {endpoint_id!r}")
@@ -327,7 +327,7 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     raw, preset = expand_policy(path, raw, registry)
     if preset is not None:
         path = f"{path} (preset {preset})"
-    f = _Fields(raw, path)
+    f = Fields(raw, path)
     f.used.add("preset")  # listed among the known fields in an unknown-field error
     name = f.string("name")
     if not POLICY_NAME.match(name):
@@ -399,7 +399,7 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     )
 
 
-def _cost(f: _Fields, *, present: bool, needed_by: str | None) -> CostSettings | None:
+def _cost(f: Fields, *, present: bool, needed_by: str | None) -> CostSettings | None:
     """A policy's `cost:` block. Present, it turns estimation on unless it says `enabled: false`; absent, the
     defaults apply when `needed_by` (what in the policy uses estimates) is set, else nothing is estimated."""
     enabled = f.boolean("enabled", True)
@@ -432,7 +432,7 @@ def _cost(f: _Fields, *, present: bool, needed_by: str | None) -> CostSettings |
     return settings if present or needed_by is not None else None
 
 
-def _health(f: _Fields) -> HealthSettings:
+def _health(f: Fields) -> HealthSettings:
     """The policy's `health`, `outlierDetection`, `circuitBreaker`, `slowStart` and `panicThreshold`."""
     a = f.sub("health")
     d = ActiveHealthSettings()
@@ -487,7 +487,7 @@ def _health(f: _Fields) -> HealthSettings:
                           panic_threshold=panic)
 
 
-def _stickiness(f: _Fields) -> StickinessSettings:
+def _stickiness(f: Fields) -> StickinessSettings:
     defaults = StickinessSettings()
     enabled = f.boolean("enabled", bool(f.raw))  # a stickiness block turns it on unless it says otherwise
     keys = []
@@ -509,7 +509,7 @@ def _stickiness(f: _Fields) -> StickinessSettings:
                               max_load_factor=float(factor))
 
 
-def _redis(top: _Fields) -> RedisSettings:
+def _redis(top: Fields) -> RedisSettings:
     """`redis: {url: ...}`; without the key, $REDIS_URL; `url: null` turns Redis off explicitly."""
     sub = top.sub("redis")
     if sub.has("url"):
@@ -562,7 +562,7 @@ def _label_selector_problem(selector: str) -> str | None:
     return None
 
 
-def _optional_key(f: _Fields, key: str, default: str | None) -> str | None:
+def _optional_key(f: Fields, key: str, default: str | None) -> str | None:
     """A label or annotation key, or null to turn that source off."""
     if f.has(key) and f.get(key) is None:
         return None
@@ -573,7 +573,7 @@ def _optional_key(f: _Fields, key: str, default: str | None) -> str | None:
     return value
 
 
-def _kubernetes_discovery(f: _Fields) -> KubernetesDiscoverySettings:
+def _kubernetes_discovery(f: Fields) -> KubernetesDiscoverySettings:
     d = KubernetesDiscoverySettings()
     # A misspelt key is reported as such, before the checks below would complain about what it meant to set.
     f.used.update(("service", "labelSelector", "namespace", "port", "scheme", "modelAnnotation", "modelLabel",
@@ -636,7 +636,7 @@ def _kubernetes_discovery(f: _Fields) -> KubernetesDiscoverySettings:
     return settings
 
 
-def _discovery(top: _Fields) -> DiscoverySettings:
+def _discovery(top: Fields) -> DiscoverySettings:
     """`discovery: {kubernetes: {...}}`; a null or absent block turns that source off."""
     d = top.sub("discovery")
     kubernetes = _kubernetes_discovery(d.sub("kubernetes")) if d.get("kubernetes") is not None else None
@@ -656,7 +656,7 @@ def default_policy(registry: PolicyRegistry) -> PolicySpec:
 
 def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings:
     registry = registry or PolicyRegistry()
-    top = _Fields(raw, "")
+    top = Fields(raw, "")
     listen = _address(top, "listen", Settings.listen, "FLEETROUTE_LISTEN")
     admin = _address(top, "admin", Settings.admin, "FLEETROUTE_ADMIN", others=("tokenEnv",))
     endpoints = tuple(_endpoint(path, item) for path, item in top.items("endpoints"))

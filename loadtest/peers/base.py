@@ -109,6 +109,28 @@ def venv_unavailable_reason(info: PeerInfo, entry: Path, venv: Path, dist: str, 
     return None
 
 
+@dataclass(frozen=True)
+class PipInstall:
+    """Where a pip-installed peer lives: its own virtualenv `<peers dir>/<name>`, the distribution `dist` in
+    it, and the program in its bin/ that runs the router (`python` for a module launched with -m)."""
+
+    info: PeerInfo
+    dist: str
+    program: str
+
+    def venv(self, root: Path) -> Path:
+        return root / self.info.name
+
+    def executable(self, root: Path) -> Path:
+        return self.venv(root) / "bin" / self.program
+
+    def unavailable_reason(self, root: Path, pinned: str) -> str | None:
+        return venv_unavailable_reason(self.info, self.executable(root), self.venv(root), self.dist, pinned)
+
+    def version(self, root: Path) -> str:
+        return venv_dist_version(self.venv(root), self.dist) or "unknown"
+
+
 def check_backends(info: PeerInfo, policy: str, backends: Sequence[tuple[str, str]]) -> None:
     if not backends:
         raise PeerError(f"{info.name}: at least one backend is needed")

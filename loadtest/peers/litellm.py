@@ -40,11 +40,10 @@ import yaml
 from loadtest.peers.base import (
     LaunchPlan,
     PeerInfo,
+    PipInstall,
     ReadyProbe,
     check_backends,
     lists_model,
-    venv_dist_version,
-    venv_unavailable_reason,
 )
 
 INFO = PeerInfo(
@@ -59,24 +58,11 @@ INFO = PeerInfo(
                                  "first token for streams), random among ties; unseen ones count as 0",
     },
 )
-DIST = "litellm"
+INSTALL = PipInstall(INFO, dist="litellm", program="litellm")
 CONFIG_FILE = "litellm-config.yaml"
-
-
-def venv(root: Path) -> Path:
-    return root / INFO.name
-
-
-def executable(root: Path) -> Path:
-    return venv(root) / "bin" / "litellm"
-
-
-def unavailable_reason(root: Path, pinned: str) -> str | None:
-    return venv_unavailable_reason(INFO, executable(root), venv(root), DIST, pinned)
-
-
-def version(root: Path) -> str:
-    return venv_dist_version(venv(root), DIST) or "unknown"
+unavailable_reason = INSTALL.unavailable_reason
+version = INSTALL.version
+executable = INSTALL.executable
 
 
 def render_config(policy: str, backends: Sequence[tuple[str, str]], model: str, master_key: str) -> dict[str, Any]:

@@ -30,10 +30,9 @@ from loadtest.host import free_port
 from loadtest.peers.base import (
     LaunchPlan,
     PeerInfo,
+    PipInstall,
     ReadyProbe,
     check_backends,
-    venv_dist_version,
-    venv_unavailable_reason,
 )
 
 INFO = PeerInfo(
@@ -52,23 +51,10 @@ INFO = PeerInfo(
     },
     min_backends={"power_of_two": 2},
 )
-DIST = "sglang-router"
-
-
-def venv(root: Path) -> Path:
-    return root / INFO.name
-
-
-def python(root: Path) -> Path:
-    return venv(root) / "bin" / "python"
-
-
-def unavailable_reason(root: Path, pinned: str) -> str | None:
-    return venv_unavailable_reason(INFO, python(root), venv(root), DIST, pinned)
-
-
-def version(root: Path) -> str:
-    return venv_dist_version(venv(root), DIST) or "unknown"
+INSTALL = PipInstall(INFO, dist="sglang-router", program="python")
+unavailable_reason = INSTALL.unavailable_reason
+version = INSTALL.version
+python = INSTALL.executable
 
 
 def all_workers_healthy(count: int) -> Callable[[int, bytes], str | None]:

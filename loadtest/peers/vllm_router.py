@@ -30,11 +30,10 @@ from loadtest.host import free_port
 from loadtest.peers.base import (
     LaunchPlan,
     PeerInfo,
+    PipInstall,
     ReadyProbe,
     check_backends,
     lists_model,
-    venv_dist_version,
-    venv_unavailable_reason,
 )
 
 INFO = PeerInfo(
@@ -55,24 +54,11 @@ INFO = PeerInfo(
     },
     min_backends={"power_of_two": 2},
 )
-DIST = "vllm-router"
+INSTALL = PipInstall(INFO, dist="vllm-router", program="vllm-router")
 SESSION_HEADER = "x-session-id"
-
-
-def venv(root: Path) -> Path:
-    return root / INFO.name
-
-
-def executable(root: Path) -> Path:
-    return venv(root) / "bin" / "vllm-router"
-
-
-def unavailable_reason(root: Path, pinned: str) -> str | None:
-    return venv_unavailable_reason(INFO, executable(root), venv(root), DIST, pinned)
-
-
-def version(root: Path) -> str:
-    return venv_dist_version(venv(root), DIST) or "unknown"
+unavailable_reason = INSTALL.unavailable_reason
+version = INSTALL.version
+executable = INSTALL.executable
 
 
 def plan(policy: str, backends: Sequence[tuple[str, str]], model: str, *, port: int, root: Path,

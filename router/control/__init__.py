@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from router.settings import ConfigError
 
 if TYPE_CHECKING:
-    from router.settings import _Fields
+    from router.settings import Fields
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -54,7 +54,7 @@ class ControlSettings:
     kubernetes: KubernetesControlSettings | None = None
 
 
-def parse_control(top: _Fields) -> ControlSettings | None:
+def parse_control(top: Fields) -> ControlSettings | None:
     """`control: {kubernetes: {...}}`; absent or null: no control plane."""
     if top.get("control") is None:
         return None
@@ -65,7 +65,7 @@ def parse_control(top: _Fields) -> ControlSettings | None:
     return ControlSettings(kubernetes=kubernetes) if kubernetes is not None else None
 
 
-def _kubernetes(f: _Fields) -> KubernetesControlSettings:
+def _kubernetes(f: Fields) -> KubernetesControlSettings:
     from router.settings import _label_selector_problem
 
     d = KubernetesControlSettings()
