@@ -9,8 +9,8 @@ cd "$(dirname "$0")/.."
 OUT=loadtest/results/bench
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(seed-table seed-table-weighted degraded-node prefix-heavy peers-heterogeneous
-                                 peers-prefix-heavy overhead scale lab)
+[ ${#steps[@]} -eq 0 ] && steps=(seed-table seed-table-weighted degraded-node prefix-heavy no-sharing
+                                 peers-heterogeneous peers-prefix-heavy peers-prefix-heavy-repeat overhead scale lab)
 for step in "${steps[@]}"; do
     echo "=== $step ($(date -u +%H:%M:%S))"
     case "$step" in
@@ -31,8 +31,13 @@ for step in "${steps[@]}"; do
             done
             python -m loadtest.lab loadtest/scenarios/seed-table-weighted.yaml --fraction 0.6 --seeds 5 \
                 --markdown "$OUT/lab/seed-table-weighted-0.6.md"
-            python -m loadtest.lab loadtest/scenarios/prefix-heavy.yaml --fraction 0.5 --seeds 3 \
-                --markdown "$OUT/lab/prefix-heavy-0.5.md" ;;
+            python -m loadtest.lab loadtest/scenarios/prefix-heavy.yaml --fraction 0.5 --seeds 6 \
+                --markdown "$OUT/lab/prefix-heavy-0.5.md"
+            for f in 0.6 0.9; do
+                python -m loadtest.lab loadtest/scenarios/no-sharing.yaml --fraction $f --seeds 8 \
+                    --policy 'prefix-aware, any match (minMatchShare 0)={"strategy": "prefix-aware", "prefixAware": {"minMatchShare": 0}}' \
+                    --markdown "$OUT/lab/no-sharing-$f.md"
+            done ;;
         *)
             fleetroute loadtest --scenario "loadtest/scenarios/$step.yaml" --out "$OUT/$step" > "$OUT/$step.log" 2>&1
             echo "exit $? ($step)";;

@@ -106,8 +106,9 @@ class PrefixAwareConfig:
     # "auto": the engine's KV capacity (telemetry) in router blocks; an integer fixes the bound.
     max_blocks_per_endpoint: int | str = "auto"
     # The best match must cover this share of the request's hashed blocks to count: below it, load wins. In
-    # the policy lab (docs/benchmarks.md) 0.2 lost nothing to least-connections without sharing, where any
-    # match at all (0) cost ~10% P99 TTFT at 0.9 load, and kept every multi-turn and shared-context gain.
+    # the policy lab (docs/benchmarks.md, "No sharing") 0.2 kept up with least-connections where prompts share
+    # only a short system prompt (P99 TTFT 630 vs 604 ms at 0.9 load; any match at all, 0: 661 ms) and kept
+    # the multi-turn and shared-context gains, whose matches cover most of the prompt.
     min_match_share: float = 0.2
     max_imbalance: int | None = 8  # load(best) - min load above this: load wins
     max_in_flight: int | None = None  # load(best) at or above this: load wins
@@ -352,8 +353,9 @@ class PrefixAwarePicker:
     ) -> EndpointView:
         """The least loaded candidate, ties at random: least-connections' choice, so that with nothing worth
         matching this strategy loses nothing to it. (Power of two choices was the first fallback: in the policy
-        lab it cost the prefix-heavy scenario ~30% P99 TTFT, scattering guarded requests of a hot prefix over
-        random replicas instead of growing its copies on the idlest ones.)"""
+        lab the prefix-heavy scenario's P99 TTFT was 1,111 ms with it and 778 ms with this, because it
+        scattered the guarded requests of a hot prefix over random replicas instead of growing its copies on
+        the idlest ones.)"""
         least = min(load[v.id] for v in candidates)
         tied = [v for v in candidates if load[v.id] == least]
         choice = tied[0] if len(tied) == 1 else self._rng.choice(tied)
