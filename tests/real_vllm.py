@@ -224,8 +224,9 @@ class VllmServer:
 
 
 @contextlib.contextmanager
-def vllm_servers(python: Path, workdir: Path, n: int = 2) -> Iterator[list[VllmServer]]:
-    """`n` servers of the tiny model, started in parallel, each on its own cores; always stopped."""
+def vllm_servers(python: Path, workdir: Path, n: int = 2, *, probe: bool = True) -> Iterator[list[VllmServer]]:
+    """`n` servers of the tiny model, started in parallel, each on its own cores, each made to serve one tiny
+    completion first unless `probe` is false (capturing an untouched server's page); always stopped."""
     model = build_tiny_model(python, workdir / "tiny-llama")
     servers = [VllmServer(python, model, workdir / f"vllm-{i}.log", bind) for i, bind in enumerate(cpu_binds(n))]
     try:
@@ -234,7 +235,7 @@ def vllm_servers(python: Path, workdir: Path, n: int = 2) -> Iterator[list[VllmS
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             for future in [pool.submit(s.wait_ready) for s in servers]:
                 future.result()
-        for server in servers:
+        for server in servers if probe else ():
             server.check_serves()
         yield servers
     finally:
@@ -331,7 +332,7 @@ def capture(out_dir: Path) -> None:
     python = vllm_python()
     if python is None:
         raise SystemExit(f"no vLLM venv at {vllm_venv()}: run scripts/install-vllm-cpu.sh")
-    with tempfile.TemporaryDirectory() as tmp, vllm_servers(python, Path(tmp), n=1) as (server,):
+    with tempfile.TemporaryDirectory() as tmp, vllm_servers(python, Path(tmp), n=1, probe=False) as (server,):
         _, idle = http_get(server.url + "/metrics")
         (out_dir / "vllm_metrics_idle.txt").write_text(idle)
         post_json(server.url + "/v1/chat/completions", {  # one finished chat request in the histograms
