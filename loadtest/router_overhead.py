@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -402,6 +402,21 @@ def throughput(url: str, args: argparse.Namespace, workdir: Path, cpu_of: int | 
     return r
 
 
+async def fire_paced(one: Callable[[float], Awaitable[None]], rate: float, n: int, *, timeout: float) -> float:
+    """Start `one(scheduled)` `n` times at `rate` per second whatever the answers do (open loop), wait for all
+    (at most `timeout` s after the last start), and return the seconds from the first start to the end."""
+    tasks = []
+    start = time.perf_counter()
+    for i in range(n):
+        scheduled = start + i / rate
+        delay = scheduled - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(scheduled)))
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout)
+    return time.perf_counter() - start
+
+
 async def open_loop(url: str, rate: float, seconds: float, warmup: int,
                     headers: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Requests sent at a fixed rate whatever the answers do; latency from each send to the body's end."""
@@ -426,16 +441,7 @@ async def open_loop(url: str, rate: float, seconds: float, warmup: int,
             lat.append(time.perf_counter() - t)
 
         n = int(rate * seconds)
-        tasks = []
-        start = time.perf_counter()
-        for i in range(n):
-            scheduled = start + i / rate
-            delay = scheduled - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(one(scheduled)))
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
-        elapsed = time.perf_counter() - start
+        elapsed = await fire_paced(one, rate, n, timeout=30)
     if errors:
         raise RuntimeError(f"{errors} failed requests in the open-loop run against {url}")
     ms = [x * 1000 for x in lat]

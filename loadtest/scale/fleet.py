@@ -25,7 +25,6 @@ it, so idle costs never add up across cases.
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import time
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.router_overhead import BODY, HEADERS, PATH, cpu_seconds, free_port, pct, run_async
+from loadtest.router_overhead import BODY, HEADERS, PATH, cpu_seconds, fire_paced, free_port, pct, run_async
 from loadtest.scale.inputs import endpoint_ids
 from loadtest.scale.services import (
     ForeignLoad,
@@ -93,17 +92,8 @@ async def paced(url: str, rate: float, seconds: float, warmup: int, pid: int) ->
             lat.append(time.perf_counter() - t)
 
         n = max(1, int(rate * seconds))
-        tasks = []
         cpu0 = cpu_seconds(pid)
-        start = time.perf_counter()
-        for i in range(n):
-            scheduled = start + i / rate
-            delay = scheduled - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(one(scheduled)))
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
-        elapsed = time.perf_counter() - start
+        elapsed = await fire_paced(one, rate, n, timeout=60)
         cpu = cpu_seconds(pid) - cpu0
     ms = [x * 1000 for x in lat] or [float("nan")]
     ok = statuses.get(200, 0)
