@@ -209,6 +209,26 @@ async def test_stalled_stream_holds_after_n_tokens(make_sim, http) -> None:
     resp.close()
 
 
+async def test_a_chat_streams_first_byte_comes_with_its_first_token_not_at_arrival(make_sim, http) -> None:
+    # vLLM writes the role-only opening event in the same output-loop iteration as the first token, so a
+    # router timing the first body byte times the prefill (least-prefill's speed). Stalled before token 0,
+    # the stream must have sent headers and nothing else, though the engine has computed the token.
+    sim = await make_sim()
+    async with http.post(sim.url + "/sim/faults", json={"stall_after_tokens": 0}):
+        pass
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    resp = await http.post(sim.url + "/v1/chat/completions", json=body)
+    assert resp.status == 200 and resp.content_type == "text/event-stream"  # headers at once, as Starlette's
+    first = asyncio.create_task(resp.content.readuntil(b"\n\n"))
+    done, _ = await asyncio.wait({first}, timeout=0.3)
+    assert not done  # the engine has produced its tokens by now; the stall holds them back, role event too
+    async with http.delete(sim.url + "/sim/faults"):
+        pass
+    assert b'"role":"assistant"' in await asyncio.wait_for(first, 5)
+    assert b'"content":"' in await resp.content.readuntil(b"\n\n")  # then the first token
+    resp.close()
+
+
 @pytest.mark.parametrize("faults, fragment", [({"slowdown": 0}, "slowdown"), ({"nope": 1}, "unknown fault"),
                                               ({"error_rate": 2}, "error_rate")])
 async def test_bad_faults_are_rejected(make_sim, http, faults, fragment) -> None:

@@ -300,10 +300,13 @@ class SimServer:
                 payload["usage"] = usage
             return b"data: " + orjson.dumps(payload) + b"\n\n"
 
-        if chat:  # vLLM opens a chat stream with the assistant role and empty content
-            await resp.write(event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}))
         async for i in self._tokens(pending):
+            if chat and i == 0:
+                # vLLM opens a chat stream with the assistant role and empty content, in the same iteration
+                # of its output loop as the first token: after the prefill, not when the request arrives
+                # (only the headers go out at once).
+                await resp.write(event({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}))
             piece = FILLER[i % len(FILLER)]
             last = i + 1 == req.max_tokens
             finish = "length" if last else None
