@@ -5,9 +5,11 @@ through Redis, on a time-scaled fleet, which takes minutes per run. This module 
 where requests go and what each replica then does: the same `EngineCore`s the simulated replicas run, the
 same pickers the router builds (from `router.policies`, with their real configuration parsing), telemetry
 sampled from the engines every `telemetry_interval` of simulated time and handed to the pickers only at
-those ticks (the lag a real router lives with), and in-flight counts that change the moment a request is
-routed and the moment its last token is out. Time jumps from event to event, so an hour of traffic takes
-seconds and a seed makes a run exactly repeatable.
+those ticks (the lag a real router lives with), in-flight counts that change the moment a request is
+routed and the moment its last token is out, and the prefill book the router keeps for least-prefill
+(router/prefill.py: booked at the pick, closed and timed at the first token, as every lab request
+streams). Time jumps from event to event, so an hour of traffic takes seconds and a seed makes a run
+exactly repeatable.
 
 What it leaves out: the network and HTTP costs, several router replicas, and everything around the picker in
 the live router: session stickiness, admission and shedding, request-cost estimates (so `loadUnit: tokens`
@@ -29,6 +31,7 @@ from typing import Any
 from loadtest.client import PlannedRequest
 from router.model import Endpoint, EndpointView, RequestInfo, Telemetry
 from router.policies.registry import PolicyRegistry
+from router.prefill import Prefill, PrefillBook
 from worker.sim.engine import EngineConfig, EngineCore, SimRequest
 from worker.sim.gpu import BusyWindow
 from worker.sim.profiles import profile
@@ -49,10 +52,18 @@ class SimOutcome:
 
 
 class _Loads:
-    """The `LoadView` the pickers read: requests routed to each endpoint and not yet finished."""
+    """The `LoadView` the pickers read: requests routed to each endpoint and not yet finished, and the
+    prefill booked there."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
+        self.prefill = PrefillBook()
+
+    def pending_prefill(self, endpoint_id: str) -> float:
+        return self.prefill.pending(endpoint_id)
+
+    def prefill_speed(self, endpoint_id: str) -> float | None:
+        return self.prefill.speed(endpoint_id)
 
     def in_flight(self, endpoint_id: str) -> int:
         return self.counts.get(endpoint_id, 0)
@@ -104,6 +115,7 @@ def simulate(
     loads = _Loads()
     outcomes: list[SimOutcome] = []
     by_request: dict[str, tuple[SimOutcome, SimRequest, _Replica]] = {}
+    booked: dict[str, Prefill] = {}  # least-prefill's booking of each request still before its first token
     # Events: (time, order, kind, payload); the order breaks ties deterministically.
     queue: list[tuple[float, int, str, Any]] = []
     order = itertools.count()
@@ -148,6 +160,8 @@ def simulate(
             outcomes.append(outcome)
             by_request[req.request_id] = (outcome, req, replica)
             loads.counts[view.id] = loads.counts.get(view.id, 0) + 1
+            if info.note.prefill_tokens > 0.0:
+                booked[req.request_id] = loads.prefill.start(view.id, info.note.prefill_tokens, now, streamed=True)
             replica.engine.add_request(req)
             start_step(replica, now)
             continue
@@ -158,6 +172,9 @@ def simulate(
             continue
         replica, result = payload
         replica.stepping = False
+        for req in result.emitted:
+            if len(req.token_times) == 1 and req.request_id in booked:
+                loads.prefill.first_token(booked.pop(req.request_id), req.token_times[0])
         for req in result.finished:
             outcome, _, _ = by_request.pop(req.request_id)
             times = req.token_times

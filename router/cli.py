@@ -31,10 +31,13 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
                  selection: least-load}        or best-score; choices: all scans every endpoint
       leastConnections: {loadUnit: requests}   or tokens: in-flight load as predicted cost (see cost)
       consistentHash: {key: "header:x-session-id", maxLoadFactor: null}   or key: body:<field>
-      prefixAware: {blockChars: 256, maxBlocks: 64, maxBlocksPerEndpoint: auto, minMatchShare: 0.2,
-                    maxImbalance: 8, maxInFlight: null, maxLoadFactor: null, sigmaK: null,
+      prefixAware: {selection: longest-match, blockChars: 256, maxBlocks: 64, maxBlocksPerEndpoint: auto,
+                    minMatchShare: 0.2, maxImbalance: 8, maxInFlight: null, maxLoadFactor: null, sigmaK: null,
                     sharing: {enabled: true, ttl: 10m, maxStreamEntries: 8192},
                     tuning: {enabled: true, window: 30s, tolerance: 0.1}}
+                                               selection: or least-prefill, the soonest expected
+                                               first token (queued + uncached prefill / measured
+                                               speed; no imbalance guard unless set);
                                                auto: sized from the engine's KV capacity; sharing
                                                through Redis when configured; tuned against the
                                                engine's prefix-cache hit rate

@@ -172,6 +172,12 @@ def summarise(attempt: Attempt) -> str:
         "prefix_short": lambda: (f"the longest cached prefix ({d.get('best_match_blocks')} of {d.get('blocks_hashed')} "
                                  f"blocks) is under minMatchShare ({fmt(d.get('min_match_share'))}) of the prompt; "
                                  f"the least loaded ({fmt(mine.get('load'))})"),
+        "least_prefill": lambda: (
+            f"the soonest expected first token of {n} candidates: ({fmt(mine.get('pending_prefill'))} tokens queued + "
+            f"{fmt(mine.get('uncached_tokens'))} uncached, {mine.get('match_blocks')} of {d.get('blocks_hashed')} "
+            f"blocks cached) / {fmt(mine.get('speed_used'))} tokens/s = "
+            f"{fmt(mine.get('expected_wait_ms'))} ms ({d.get('event')})"
+            + (f", a tie of {d['tied']} broken by load, then at random" if d.get("tied") else "")),
         "least_load_per_score": lambda: (
             f"the least load per unit of score and weight of the {len(trace.sampled)} sampled (load "
             f"{fmt(mine.get('load'))}, score {fmt(mine.get('score'))}, key {fmt(mine.get('key'))})"),

@@ -278,7 +278,8 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
                 counter = OutputCounter() if served.estimate is not None and served.estimate.learns else None
                 served.outcome = await ctx.proxy.forward(
                     request, view, body, request_id=request_id, timeouts=spec.timeouts, started=started,
-                    retryable=retryable, deadline=deadline, cost=cost, counter=counter, extra_headers=explanation,
+                    retryable=retryable, deadline=deadline, cost=cost, prefill=info.note.prefill_tokens,
+                    streamed=payload.get("stream") is True, counter=counter, extra_headers=explanation,
                 )
             except UpstreamFailed as exc:
                 balancer.report_outcome(spec, model, view.id, False, exc.kind, probe=probe)
@@ -414,6 +415,10 @@ def _too_large(ctx: RouterContext, limit: int) -> web.Response:
     return _reject(ctx, 413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
 async def list_models(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "fleetroute"} for m in ctx.balancer.models()]
@@ -479,6 +484,8 @@ async def list_endpoints(request: web.Request) -> web.Response:
                 "state": view.state.value,
                 "in_flight": ctx.loads.in_flight(view.id),
                 "in_flight_cost_tokens": round(ctx.loads.in_flight_cost(view.id), 1),
+                "pending_prefill_tokens": round(ctx.loads.pending_prefill(view.id), 1),
+                "prefill_speed_tokens_per_s": _rounded(ctx.loads.prefill_speed(view.id)),
                 "health": ctx.balancer.health_report(view.id),
                 "telemetry": None if t is None else {
                     "source": t.source,

@@ -8,16 +8,21 @@ A request with a cost estimate (router/cost.py; only for policies that make them
 cost to its endpoint's in-flight cost for as long as it counts, and to a running mean of request costs that
 turns tokens back into request-equivalents (`loadUnit: tokens` in the adaptive policy). Requests without an
 estimate add nothing there, and with no estimates anywhere this costs one comparison per request.
+
+A request whose picker expected the endpoint to compute some prompt tokens (prefix-aware's least-prefill)
+books them as pending prefill until its first byte (router/prefill.py), which also times the endpoint.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from router.metrics import RouterMetrics
+from router.prefill import Prefill, PrefillBook
 
 # The mean request cost is exact over the first requests, then an EWMA over about this many.
 MEAN_COST_WINDOW = 256
@@ -37,6 +42,10 @@ class LoadTracker:
         self.others: dict[str, int] = {}
         # Called with the endpoint id whenever a request's in-flight ends (admission hands the slot on).
         self.on_release: Callable[[str], None] | None = None
+        self.prefill = PrefillBook()
+        self._prefill_gauge = metrics.pending_prefill
+        self._prefill_children: dict[str, Any] = {}
+        self._speed_gauge = metrics.prefill_speed
 
     def in_flight(self, endpoint_id: str) -> int:
         return self._counts.get(endpoint_id, 0)
@@ -50,6 +59,12 @@ class LoadTracker:
     def mean_request_cost(self) -> float:
         return self._mean_cost
 
+    def pending_prefill(self, endpoint_id: str) -> float:
+        return self.prefill.pending(endpoint_id)
+
+    def prefill_speed(self, endpoint_id: str) -> float | None:
+        return self.prefill.speed(endpoint_id)
+
     def snapshot(self) -> dict[str, int]:
         return {k: v for k, v in self._counts.items() if v}
 
@@ -57,7 +72,14 @@ class LoadTracker:
         return sum(self._counts.values())
 
     @contextmanager
-    def track(self, endpoint_id: str, cost: float = 0.0) -> Iterator[None]:
+    def track(self, endpoint_id: str, cost: float = 0.0, prefill: float = 0.0, *,
+              streamed: bool = False) -> Iterator[Flight]:
+        """Count a request at the endpoint for the body of the `with`; the `Flight` it yields hears of the
+        answer's first byte (when `prefill` tokens were booked, that ends them and may time the endpoint)."""
+        flight = Flight(self, self.prefill.start(endpoint_id, prefill, time.monotonic(), streamed=streamed)
+                        if prefill > 0.0 else None)
+        if flight.booked is not None:
+            self._show_prefill(endpoint_id)
         self._counts[endpoint_id] += 1
         gauge = self._children.get(endpoint_id)
         if gauge is None:  # labels() costs microseconds: resolve each endpoint's child once
@@ -68,14 +90,36 @@ class LoadTracker:
             n = self._costed = min(self._costed + 1, MEAN_COST_WINDOW)
             self._mean_cost += (cost - self._mean_cost) / n
         try:
-            yield
+            yield flight
         finally:
+            if flight.booked is not None and flight.booked.open:
+                self.prefill.end(flight.booked)
+                self._show_prefill(endpoint_id)
             left = self._counts[endpoint_id] = self._counts[endpoint_id] - 1
             gauge.dec()
             if cost > 0.0:
                 self._add_cost(endpoint_id, -cost, idle=left == 0)
             if self.on_release is not None:
                 self.on_release(endpoint_id)
+
+    def prefill_done(self, booked: Prefill, now: float, *, timed: bool) -> None:
+        """A booked request's answer began: its prefill is done; `timed` (a stream that is not an error)
+        lets its wait measure the endpoint."""
+        e = booked.endpoint_id
+        if timed:
+            self.prefill.first_token(booked, now)
+            speed = self.prefill.speed(e)
+            if speed is not None:
+                self._speed_gauge.labels(e).set(speed)
+        else:
+            self.prefill.end(booked)
+        self._show_prefill(e)
+
+    def _show_prefill(self, endpoint_id: str) -> None:
+        gauge = self._prefill_children.get(endpoint_id)
+        if gauge is None:
+            gauge = self._prefill_children[endpoint_id] = self._prefill_gauge.labels(endpoint_id)
+        gauge.set(self.prefill.pending(endpoint_id))
 
     def _add_cost(self, endpoint_id: str, cost: float, *, idle: bool = False) -> None:
         gauge = self._cost_children.get(endpoint_id)
@@ -85,3 +129,19 @@ class LoadTracker:
         total = 0.0 if idle else max(0.0, self._costs[endpoint_id] + cost)
         self._costs[endpoint_id] = total
         gauge.set(total)
+
+
+class Flight:
+    """One tracked request, for the proxy to report its answer's first byte to."""
+
+    __slots__ = ("_tracker", "booked")
+
+    def __init__(self, tracker: LoadTracker, booked: Prefill | None) -> None:
+        self._tracker = tracker
+        self.booked = booked
+
+    def first_byte(self, *, timed: bool = True) -> None:
+        """The answer's first byte arrived; `timed=False` when its wait says nothing of the endpoint's prefill
+        speed (an error answer, or a body that is not a stream)."""
+        if self.booked is not None and self.booked.open:
+            self._tracker.prefill_done(self.booked, time.monotonic(), timed=timed)

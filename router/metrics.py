@@ -65,6 +65,22 @@ class RouterMetrics:
             multiprocess_mode="livesum",
             registry=r,
         )
+        self.pending_prefill = Gauge(
+            "fleetroute_endpoint_pending_prefill_tokens",
+            "Prompt tokens this router expects an endpoint still to compute (uncached, sent, no first byte yet); "
+            "only requests placed by prefix-aware's least-prefill selection count.",
+            ["endpoint"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.prefill_speed = Gauge(
+            "fleetroute_endpoint_prefill_speed_tokens_per_second",
+            "Measured speed at which an endpoint works through the prefill routed to it (work ahead of a streamed "
+            "request over its wait for the first token, running mean); what least-prefill divides by.",
+            ["endpoint"],
+            multiprocess_mode="mostrecent",
+            registry=r,
+        )
         self.decisions = Counter(
             "fleetroute_policy_decisions",
             "Endpoints chosen by routing policies, by policy name, strategy and endpoint.",
@@ -95,9 +111,10 @@ class RouterMetrics:
             "telemetry_unknown (adaptive picked an endpoint without fresh telemetry), load_bound_overflow "
             "(a key walked the ring past an endpoint at its load bound), prefix_hit / prefix_miss / prefix_short "
             "(prefix-aware found / found no endpoint holding the prompt's leading blocks / found one holding less "
-            "than minMatchShare of them), load_guard_in_flight / load_guard_imbalance / load_guard_load_factor / "
-            "load_guard_sigma (prefix-aware left the best prefix match because it tripped that load guard: "
-            "maxInFlight, maxImbalance, maxLoadFactor, sigmaK).",
+            "than minMatchShare of them), prefix_outweighed (least-prefill sent a request away from its prefix's "
+            "holder, whose queued prefill or speed made its first token later), load_guard_in_flight / "
+            "load_guard_imbalance / load_guard_load_factor / load_guard_sigma (prefix-aware left the best prefix "
+            "match because it tripped that load guard: maxInFlight, maxImbalance, maxLoadFactor, sigmaK).",
             ["policy", "event"],
             registry=r,
         )

@@ -125,13 +125,23 @@ class RequestCost:
     total: float
 
 
+@dataclass(slots=True)
+class PickNote:
+    """What a picker learned about the request it placed, for the proxy to book: the one mutable part of a
+    request's routing data, written by the pick (or a session pin's observation) and read once after it."""
+
+    prefill_tokens: float = 0.0  # the prompt tokens the chosen endpoint will compute (uncached), when estimated
+
+
 @dataclass(frozen=True, slots=True)
 class RequestInfo:
     """What a policy may know about one request. `headers` keys are lower-case. `cost` is set only for
-    policies that estimate request costs (a `cost:` block, `loadUnit: tokens`, or cost-ordered admission)."""
+    policies that estimate request costs (a `cost:` block, `loadUnit: tokens`, or cost-ordered admission).
+    `note` is where a picker leaves what the proxy should book for its choice (prefix-aware's least-prefill)."""
 
     model: str
     request_id: str
     headers: Mapping[str, str]
     body: Mapping[str, Any]
     cost: RequestCost | None = None
+    note: PickNote = field(default_factory=PickNote)

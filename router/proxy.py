@@ -28,7 +28,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.errors import error_response
 from router.explain import EXPLAIN_HEADER
-from router.loads import LoadTracker
+from router.loads import Flight, LoadTracker
 from router.metrics import RouterMetrics
 from router.model import EndpointView
 from router.output_tokens import OutputCount, OutputCounter
@@ -122,6 +122,8 @@ class Proxy:
         retryable: bool = False,
         deadline: float | None = None,
         cost: float = 0.0,
+        prefill: float = 0.0,
+        streamed: bool = False,
         counter: OutputCounter | None = None,
         extra_headers: Mapping[str, str] | None = None,
     ) -> Outcome:
@@ -130,7 +132,9 @@ class Proxy:
         Raises UpstreamUnreachable when no connection could be made, and, when `retryable`, UpstreamFailed
         for a first-byte timeout or a 5xx answer (nothing has reached the client yet). Every other failure
         becomes an `Outcome` with the right status. `deadline` (loop time) caps the whole request. `cost` is
-        the request's predicted cost in tokens (load while it is in flight); `counter` sees every chunk.
+        the request's predicted cost in tokens (load while it is in flight); `prefill` the prompt tokens its picker
+        expects the endpoint to compute (pending until the first byte, which times the endpoint when `streamed`);
+        `counter` sees every chunk.
         `extra_headers` go on the streamed response, before its first byte (a routing explanation).
         """
         loop = asyncio.get_running_loop()
@@ -138,7 +142,7 @@ class Proxy:
         url = view.endpoint.url + request.path_qs
         errors = self._metrics.upstream_errors
         header_wait = timeouts.first_byte if deadline is None else min(timeouts.first_byte, deadline - loop.time())
-        with self._loads.track(endpoint_id, cost):
+        with self._loads.track(endpoint_id, cost, prefill, streamed=streamed) as flight:
             try:
                 async with asyncio.timeout(max(header_wait, 0.0)):
                     upstream = await self._session.request(
@@ -179,7 +183,7 @@ class Proxy:
                     upstream.close()
                     raise UpstreamFailed("http_5xx", f"endpoint {endpoint_id} answered {upstream.status}")
             return await self._stream(request, upstream, endpoint_id, request_id, timeouts, started, loop, deadline,
-                                      counter, extra_headers)
+                                      counter, flight, extra_headers)
 
     async def _stream(
         self,
@@ -192,6 +196,7 @@ class Proxy:
         loop: asyncio.AbstractEventLoop,
         deadline: float | None,
         counter: OutputCounter | None,
+        flight: Flight,
         extra_headers: Mapping[str, str] | None = None,
     ) -> Outcome:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
@@ -219,6 +224,8 @@ class Proxy:
                     idle.reschedule(deadline)
                     if outcome.ttfb is None:
                         outcome.ttfb = time.perf_counter() - started
+                        # Only a stream's first token times the prefill; an error answers at once.
+                        flight.first_byte(timed=upstream.status < 400 and upstream.content_type == "text/event-stream")
                     if counter is not None:
                         counter.feed(chunk)
                     await response.write(chunk)

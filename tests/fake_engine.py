@@ -47,6 +47,7 @@ class FakeEngine:
     requests: list[dict[str, Any]] = field(default_factory=list)
     stream_aborted: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_sent: asyncio.Event = field(default_factory=asyncio.Event)
+    request_received: asyncio.Event = field(default_factory=asyncio.Event)  # set by each inference request
     unhealthy: bool = False  # /health answers 503
     # Output tokens for a request body (capped at its max_tokens); None: max_tokens, or 4 without it.
     output_length: Callable[[dict[str, Any]], int] | None = None
@@ -85,6 +86,7 @@ class FakeEngine:
         # As vLLM (Starlette) reads it: JSON from the raw bytes, whatever charset the Content-Type names.
         body = orjson.loads(await request.read())
         self.requests.append({"path": request.path, "headers": dict(request.headers), "body": body})
+        self.request_received.set()
         if self.hang is not None:
             await self.hang.wait()
         if self.fail_status is not None:

@@ -26,13 +26,23 @@ LONG = "You are a careful assistant. " * 40  # 1,160 chars: four 256-char blocks
 
 
 class Loads:
-    """A LoadView with fixed numbers: local in-flight (also the cluster's), and in-flight cost in tokens."""
+    """A LoadView with fixed numbers: local in-flight (also the cluster's), in-flight cost in tokens, and
+    pending prefill with measured speeds (least-prefill)."""
 
     def __init__(self, counts: dict[str, int] | None = None, costs: dict[str, float] | None = None,
-                 mean_cost: float = 0.0) -> None:
+                 mean_cost: float = 0.0, pending: dict[str, float] | None = None,
+                 speeds: dict[str, float | None] | None = None) -> None:
         self.counts = counts or {}
         self.costs = costs or {}
         self.mean_cost = mean_cost
+        self.pending = pending or {}
+        self.speeds = speeds or {}
+
+    def pending_prefill(self, endpoint_id: str) -> float:
+        return self.pending.get(endpoint_id, 0.0)
+
+    def prefill_speed(self, endpoint_id: str) -> float | None:
+        return self.speeds.get(endpoint_id)
 
     def in_flight(self, endpoint_id: str) -> int:
         return self.counts.get(endpoint_id, 0)
@@ -110,6 +120,11 @@ def justify(trace: DecisionTrace, chosen: str, exclude: frozenset[str] = frozens
     elif reason == "prefix_short":
         assert 0 < detail["best_match_blocks"] < detail["min_match_share"] * detail["blocks_hashed"]
         _least(trace, chosen)
+    elif reason == "least_prefill":  # the least expected wait among the endpoints no guard left out
+        waits = {i: c["expected_wait_ms"] for i, c in trace.candidates.items() if "guard" not in c}
+        assert waits[chosen] == min(waits.values())
+        # a hit exactly when the estimate counts some of the chosen endpoint's prompt as cached
+        assert (detail["event"] == "prefix_hit") == (trace.candidates[chosen]["uncached_tokens"] < detail["prompt_tokens"])
     elif reason in ("least_load_per_score", "best_score"):  # adaptive, composite: the least key of the sample
         keys = {i: trace.candidates[i]["key"] for i in trace.sampled}
         assert keys[chosen] == min(keys.values())
@@ -270,6 +285,8 @@ STRATEGIES = [
     ("consistent-hash", {"maxLoadFactor": 1.25}),
     ("prefix-aware", {}),
     ("prefix-aware", {"maxInFlight": 6, "maxLoadFactor": 1.5, "sigmaK": 1.0}),
+    ("prefix-aware", {"selection": "least-prefill"}),
+    ("prefix-aware", {"selection": "least-prefill", "maxInFlight": 6}),
     ("adaptive", {}),
     ("adaptive", {"selection": "best-score", "choices": "all", "loadUnit": "tokens"}),
     ("composite", {"scorers": {"prefix": 0.5, "load": 0.3, "gpu": 0.2}, "loadGuard": {"maxImbalance": 4}}),
@@ -290,7 +307,8 @@ def test_a_traced_pick_chooses_what_an_untraced_one_does_and_explains_it(strateg
         weights = {i: rng.choice((1.0, 1.0, 1.0, 0.5, 0.1)) for i in ids}
         views = pool(*ids, weights=weights)
         loads = Loads({i: rng.randrange(0, 10) for i in ids}, costs={i: rng.uniform(0, 5000) for i in ids},
-                      mean_cost=400.0)
+                      mean_cost=400.0, pending={i: rng.choice((0.0, rng.uniform(0, 600))) for i in ids},
+                      speeds={i: rng.choice((None, rng.uniform(500, 5000))) for i in ids})
         exclude = frozenset(rng.sample(ids, rng.randrange(0, 3)))
         headers = {"x-session-id": f"s{rng.randrange(0, 20)}"} if rng.random() < 0.8 else {}
         req = request(headers, prompt=rng.choice(prompts), cost=rng.choice((None, 300.0)))
@@ -299,7 +317,7 @@ def test_a_traced_pick_chooses_what_an_untraced_one_does_and_explains_it(strateg
         traced = build(strategy, views, params, seed=round_, state=states[1]).pick(req, loads, exclude, trace)
         assert plain is not None and traced is not None and traced.id == plain.id
         justify(trace, traced.id, exclude)
-        reasons.add(trace.reason)
+        reasons.add(trace.detail.get("event", trace.reason))  # least-prefill: one reason, its event varies
         sentence = summarise(Attempt(traced.id, trace, {}, {}))
         assert sentence != trace.reason and "None" not in sentence, (trace.reason, sentence)  # a real sentence
     if strategy in ("consistent-hash", "prefix-aware"):

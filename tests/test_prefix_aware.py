@@ -1,9 +1,11 @@
 """prefix-aware: block hashing, the bounded index and its LRU order, sizing from the engine's KV capacity,
-the load guards, seeded simulations with stated bounds (affinity under balance, abandoned under imbalance),
-parsing, and end-to-end runs (chat and completions) through a real router and fake engines."""
+the load guards, least-prefill's expected waits, seeded simulations with stated bounds (affinity under
+balance, abandoned under imbalance, least-prefill against longest-match on a fleet of two speeds), parsing,
+and end-to-end runs (chat and completions, prefill booked and timed) through a real router and fake engines."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import statistics
 from collections import Counter
@@ -12,7 +14,7 @@ from typing import Any
 import pytest
 
 from router.model import Endpoint, EndpointView, RequestInfo, Telemetry
-from router.policies.base import PolicyConfigError
+from router.policies.base import DecisionTrace, PolicyConfigError
 from router.policies.prefix_aware import PrefixAwarePolicy, block_hashes, prompt_blocks
 from router.policies.prefix_index import FALLBACK_BLOCKS, OUTBOX_LIMIT, PrefixIndex
 from tests.conftest import MODEL as E2E_MODEL
@@ -24,16 +26,25 @@ BLOCK = 256
 
 
 class Loads:
-    """In-flight counts a test sets or a simulation moves."""
+    """In-flight counts a test sets or a simulation moves; least-prefill also reads pending prefill and speeds."""
 
-    def __init__(self, counts: dict[str, int] | None = None) -> None:
+    def __init__(self, counts: dict[str, int] | None = None, pending: dict[str, float] | None = None,
+                 speeds: dict[str, float] | None = None) -> None:
         self.counts: Counter[str] = Counter(counts or {})
+        self.pending = pending or {}
+        self.speeds = speeds or {}
 
     def in_flight(self, endpoint_id: str) -> int:
         return self.counts[endpoint_id]
 
     def cluster_in_flight(self, endpoint_id: str) -> int:
         return self.counts[endpoint_id]
+
+    def pending_prefill(self, endpoint_id: str) -> float:
+        return self.pending.get(endpoint_id, 0.0)
+
+    def prefill_speed(self, endpoint_id: str) -> float | None:
+        return self.speeds.get(endpoint_id)
 
 
 def views(*ids: str, weights: dict[str, float] | None = None,
@@ -212,6 +223,136 @@ def test_each_pick_adds_to_the_estimated_hit_rate_of_the_chosen_endpoint() -> No
     picker.pick(request, Loads(), frozenset())  # warm: every hashed block matched
     blocks = len(block_hashes(request.body, BLOCK, 64))
     assert state.estimate("a") == (2, blocks * BLOCK, 2 * chars)
+
+
+# ---- least-prefill ----------------------------------------------------------------------------------
+
+LEAST_PREFILL = {"selection": "least-prefill"}
+
+
+def tokens_of(request: RequestInfo) -> float:
+    return prompt_blocks(request.body, BLOCK, 64)[1] / 4  # the picker's estimate: 4 characters a token
+
+
+@pytest.mark.parametrize(
+    "seeded, loads, params, allowed, event",
+    [
+        pytest.param({"b": SYSTEM_A}, Loads(), {}, {"b"}, "prefix_hit", id="the holder wins on an idle pool"),
+        pytest.param({"b": SYSTEM_A}, Loads({"b": 30}), {}, {"b"}, "prefix_hit",
+                     id="requests decoding are no queue: no imbalance guard by default"),
+        pytest.param({"b": SYSTEM_A}, Loads(pending={"b": 200.0}), {}, {"b"}, "prefix_hit",
+                     id="queued prefill under the 256 tokens the prefix saves: still the holder"),
+        pytest.param({"b": SYSTEM_A}, Loads(pending={"b": 300.0}), {}, {"a", "c"}, "prefix_outweighed",
+                     id="queued prefill over the saving: an endpoint without it"),
+        pytest.param({"b": SYSTEM_A}, Loads(pending={"b": 300.0}, speeds={"a": 100.0, "b": 1000.0, "c": 100.0}), {},
+                     {"b"}, "prefix_hit", id="the holder is ten times faster: its queue clears first"),
+        pytest.param({}, Loads(speeds={"a": 1000.0, "c": 3000.0}), {}, {"c"}, "prefix_miss",
+                     id="a miss goes to the fastest (b, unmeasured, counts at the mean, 2,000)"),
+        pytest.param({}, Loads(pending={"c": 10_000.0}, speeds={"a": 1000.0, "c": 3000.0}), {}, {"b"}, "prefix_miss",
+                     id="the fastest with a queue loses to the mean speed without one"),
+        pytest.param({"b": SYSTEM_A}, Loads({"b": 3}), {"maxInFlight": 3}, {"a", "c"}, "load_guard_in_flight",
+                     id="a configured guard leaves the holder out"),
+        pytest.param({"b": SYSTEM_A}, Loads({"a": 3, "b": 3, "c": 3}), {"maxInFlight": 3}, {"b"}, "prefix_hit",
+                     id="every endpoint tripping the guard leaves none out"),
+        pytest.param({"b": SYSTEM_A}, Loads({"a": 1, "b": 1}), {"maxImbalance": 0}, {"c"}, "load_guard_imbalance",
+                     id="an explicit maxImbalance applies"),
+        pytest.param({"b": SYSTEM_A[:BLOCK]}, Loads(), {"minMatchShare": 0.5}, {"a", "b", "c"}, "prefix_short",
+                     id="a match under minMatchShare saves nothing in the estimate"),
+    ],
+)
+def test_least_prefill_pick_table(seeded: dict[str, str], loads: Loads, params: dict[str, Any], allowed: set[str],
+                                  event: str) -> None:
+    for seed in range(20):
+        state = seeded_index()
+        for endpoint, prefix in seeded.items():
+            state.record(endpoint, block_hashes(chat(system=prefix).body, BLOCK, 64))
+        events: list[str] = []
+        picker = build(views("a", "b", "c"), {**LEAST_PREFILL, **params}, seed=seed, events=events, state=state)
+        request = chat("question?", system=SYSTEM_A)
+        view = picker.pick(request, loads, frozenset())
+        assert view is not None and view.id in allowed, seed
+        assert events == [event]
+        # What the proxy books for the choice: the prompt less the blocks that count as cached there.
+        saved = 4 * BLOCK / 4 if event == "prefix_hit" else 0.0
+        assert request.note.prefill_tokens == pytest.approx(tokens_of(request) - saved)
+
+
+def test_least_prefill_slows_a_ramping_endpoint_down() -> None:
+    # a and b measured equally fast; b ramps up at weight 0.25: a queue of 1,000 tokens at a is still sooner
+    # than b for a prompt of ~500 tokens, one of 2,000 is not.
+    request = chat("q" * 2000)
+    speeds = {"a": 1000.0, "b": 1000.0}
+    for queued, expected in ((1000.0, "a"), (2000.0, "b")):
+        picker = build(views("a", "b", weights={"b": 0.25}), LEAST_PREFILL)  # fresh: no prefix cached anywhere
+        assert picker.pick(request, Loads(pending={"a": queued}, speeds=speeds), frozenset()).id == expected
+
+
+def test_least_prefill_counts_an_unmeasured_endpoint_at_the_mean_speed_per_unit_of_weight() -> None:
+    # a (weight 2) measured 2,000 tokens/s: 1,000 per unit of weight, so unmeasured b (weight 1) counts at
+    # 1,000 and c (weight 4) at 4,000; a miss goes to c, and with 3,000 tokens queued at c, to a.
+    vs = tuple(EndpointView(Endpoint(i, f"http://{i}", (MODEL,), weight=w)) for i, w in (("a", 2.0), ("b", 1.0),
+                                                                                        ("c", 4.0)))
+    request = chat("q" * 2000)
+    trace = DecisionTrace()
+    assert build(vs, LEAST_PREFILL).pick(request, Loads(speeds={"a": 2000.0}), frozenset(), trace).id == "c"
+    assert {i: n["speed_used"] for i, n in trace.candidates.items()} == {"a": 2000.0, "b": 1000.0, "c": 4000.0}
+    assert build(vs, LEAST_PREFILL).pick(request, Loads(pending={"c": 3000.0}, speeds={"a": 2000.0}),
+                                         frozenset()).id == "a"
+
+
+def test_least_prefill_books_the_uncached_tokens_of_a_pinned_sessions_request() -> None:
+    state = seeded_index()
+    state.record("b", block_hashes(chat(system=SYSTEM_A).body, BLOCK, 64))
+    picker = build(views("a", "b"), LEAST_PREFILL, state=state)
+    request = chat("question?", system=SYSTEM_A)
+    picker.observe(request, views("b")[0])
+    assert request.note.prefill_tokens == pytest.approx(tokens_of(request) - BLOCK)
+    cold = chat("question?", system=SYSTEM_B)
+    picker.observe(cold, views("a")[0])
+    assert cold.note.prefill_tokens == pytest.approx(tokens_of(cold))
+
+
+def test_least_prefill_simulation_beats_longest_match_on_a_fleet_of_two_speeds() -> None:
+    # Discrete time: 4 fast and 4 slow engines (3x), each working through its prefill queue first come, first
+    # served; 40 shared 2,000-token contexts, popularity skewed. Longest-match ignores speeds and queues;
+    # least-prefill must at least halve the 99th percentile wait and keep most requests on a cached prefix.
+    rng = random.Random(11)
+    speed = {f"f{i}": 3000.0 for i in range(4)} | {f"s{i}": 1000.0 for i in range(4)}  # tokens per tick
+    contexts = [text(500 + g, 8000) for g in range(40)]
+    arrivals = [[chat(text(1000 * tick + k, 200), system=contexts[min(39, int(rng.paretovariate(0.8)) - 1)])
+                 for k in range(rng.choice((0, 1, 1, 2)))] for tick in range(600)]
+    results = {}
+    for params in ({}, LEAST_PREFILL):
+        state = POLICY.new_state()
+        picker = build(views(*speed), params, seed=3, state=state)
+        loads = Loads(speeds=speed if params else {})
+        queues: dict[str, list[list[float]]] = {i: [] for i in speed}  # per engine: [tokens left, arrival tick]
+        waits, hits = [], 0
+        for tick, requests in enumerate(arrivals):
+            for request in requests:
+                request = RequestInfo(request.model, request.request_id, request.headers, request.body)
+                hashes = block_hashes(request.body, BLOCK, 64)
+                cached = {i: state.matched(i, hashes) for i in speed}  # the engines cache what was sent them
+                view = picker.pick(request, loads, frozenset())
+                cost = tokens_of(request) - BLOCK / 4 * cached[view.id]
+                hits += cost < tokens_of(request) / 2
+                queues[view.id].append([cost, tick])
+                loads.pending[view.id] = loads.pending.get(view.id, 0.0) + cost
+                loads.counts[view.id] += 1  # in flight until its prefill is done (longest-match's guard reads it)
+            for endpoint, queue in queues.items():
+                budget = speed[endpoint]
+                while queue and budget > 0:
+                    done = min(queue[0][0], budget)
+                    queue[0][0] -= done
+                    budget -= done
+                    loads.pending[endpoint] -= done
+                    if queue[0][0] <= 0:
+                        waits.append(tick + 1 - queue.pop(0)[1])
+                        loads.counts[endpoint] -= 1
+        waits.sort()
+        results[params.get("selection", "longest-match")] = (waits[int(0.99 * len(waits))], hits / len(waits))
+    assert results["least-prefill"][0] <= results["longest-match"][0] / 2, results
+    assert results["least-prefill"][1] > 0.5, results
 
 
 # ---- affinity and spread ----------------------------------------------------------------------------
@@ -538,6 +679,7 @@ def test_simulation_abandons_affinity_for_a_prefix_too_hot_for_one_endpoint(
         ({"tuning": {"tolerance": 0}}, "tuning.tolerance", "> 0.0 and <= 1.0"),
         ({"tuning": {"tolerance": 2}}, "tuning.tolerance", "got 2"),
         ({"tuning": {"windows": 1}}, "tuning.windows", "unknown parameter"),
+        ({"selection": "fastest"}, "selection", "must be one of longest-match, least-prefill, got 'fastest'"),
     ],
 )
 def test_parse_rejects_bad_parameters_naming_the_field(params: dict[str, Any], field: str, message: str) -> None:
@@ -558,6 +700,13 @@ def test_parse_defaults_and_overrides() -> None:
     assert (other.max_blocks_per_endpoint, other.max_load_factor, other.sigma_k) == (5000, 1.25, 2.0)
     assert (other.sharing.ttl, other.tuning.enabled, other.tuning.window, other.tuning.tolerance) == (120.0, False,
                                                                                                      0.5, 0.2)
+
+
+def test_least_prefill_has_no_imbalance_guard_unless_one_is_set() -> None:
+    assert POLICY.parse({}).selection == "longest-match"
+    assert POLICY.parse({"selection": "least-prefill"}).max_imbalance is None
+    assert POLICY.parse({"selection": "least-prefill", "maxImbalance": 16}).max_imbalance == 16
+    assert POLICY.parse({"selection": "longest-match"}).max_imbalance == 8
 
 
 def test_config_errors_name_the_path_in_the_file() -> None:
@@ -602,6 +751,46 @@ async def test_shared_prefix_requests_stick_together_through_a_router(make_engin
                                     {"policy": "default", "event": "prefix_hit"}) == 12.0 + 8.0
 
 
+async def test_least_prefill_books_prefill_until_the_first_token_and_measures_speed(make_engine, make_router,
+                                                                                     http) -> None:
+    hang = asyncio.Event()
+    engines = [await make_engine("gpu-0", hang=hang), await make_engine("gpu-1")]
+    # gpu-0 is twice as fast by its weight (nothing is measured yet), so the first request goes there.
+    endpoints = [{"id": e.name, "url": e.url, "models": list(e.models), "weight": w} for e, w in zip(engines, (2, 1), strict=True)]
+    router = await make_router(engines, endpoints=endpoints, policies=[
+        {"name": "default", "models": ["*"], "strategy": "prefix-aware", "prefixAware": LEAST_PREFILL}])
+    url = router.ingress_url + "/v1/chat/completions"
+    metrics = router.ctx.metrics.registry
+
+    def stream(content: str) -> dict[str, Any]:
+        return {"model": E2E_MODEL, "stream": True, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+
+    def pending(endpoint: str) -> float | None:
+        return metrics.get_sample_value("fleetroute_endpoint_pending_prefill_tokens", {"endpoint": endpoint})
+
+    long_body = stream(text(1, 20_000))
+    long_request = asyncio.create_task(http.post(url, json=long_body))
+    await engines[0].request_received.wait()  # sent, no first byte: its whole prompt is pending there
+    assert pending("gpu-0") == pytest.approx(prompt_blocks(long_body, BLOCK, 64)[1] / 4)
+    # gpu-0 would first have to finish 5,000 tokens: a short prompt is sooner on gpu-1, and its first token
+    # there closes its booking and times gpu-1.
+    async with http.post(url, json=stream("a short question")) as resp:
+        assert resp.status == 200 and resp.headers["x-fleetroute-endpoint"] == "gpu-1"
+        await resp.read()
+    assert pending("gpu-1") == 0.0
+    assert metrics.get_sample_value("fleetroute_endpoint_prefill_speed_tokens_per_second", {"endpoint": "gpu-1"}) > 0
+    assert metrics.get_sample_value("fleetroute_policy_events_total", {"policy": "default", "event": "prefix_miss"}) == 2
+    hang.set()
+    async with await long_request as resp:
+        assert resp.status == 200 and resp.headers["x-fleetroute-endpoint"] == "gpu-0"
+        await resp.read()
+    assert pending("gpu-0") == 0.0 and router.ctx.loads.prefill_speed("gpu-0") is not None
+    async with http.get(router.admin_url + "/admin/endpoints") as resp:
+        listed = {e["id"]: e for e in (await resp.json())["endpoints"]}
+    assert listed["gpu-0"]["pending_prefill_tokens"] == 0.0
+    assert listed["gpu-0"]["prefill_speed_tokens_per_s"] == pytest.approx(router.ctx.loads.prefill_speed("gpu-0"), abs=0.1)
+
+
 async def test_turns_a_sticky_session_sends_without_a_pick_still_reach_the_prefix_index(
         make_engine, make_router, http) -> None:
     # realtime-chat pins sessions: from turn 2 on the handler keeps the pin and never asks the picker. The
@@ -630,7 +819,7 @@ async def test_turns_a_sticky_session_sends_without_a_pick_still_reach_the_prefi
 # ---- the RoutingPolicy CRD carries the same fields ---------------------------------------------------
 
 
-FULL_PARAMS = {"blockChars": 512, "maxBlocks": 32, "maxBlocksPerEndpoint": "auto", "maxImbalance": None,
+FULL_PARAMS = {"selection": "least-prefill", "blockChars": 512, "maxBlocks": 32, "maxBlocksPerEndpoint": "auto", "maxImbalance": None,
                "maxInFlight": 64, "maxLoadFactor": 1.5, "sigmaK": 2.5,
                "sharing": {"enabled": True, "ttl": "5m", "maxStreamEntries": 4096},
                "tuning": {"enabled": True, "window": "30s", "tolerance": 0.15}}

@@ -109,6 +109,8 @@ def test_the_examples_pass_the_crd_schema_and_the_router(path: Path) -> None:
     ({"retries": {"attempts": 11}}, "spec.retries.attempts: Invalid value: 11 is greater than the maximum of 10"),
     ({"strategy": "prefix-aware", "prefixAware": {"minMatchShare": 2}},
      "spec.prefixAware.minMatchShare: Invalid value: 2 is greater than the maximum of 1"),
+    ({"strategy": "prefix-aware", "prefixAware": {"selection": "fastest"}},
+     "spec.prefixAware.selection: Invalid value: 'fastest' is not one of"),
     ({"admission": {"classes": {"gold": {}}, "defaultClass": "silver"}},
      "admission.defaultClass must name one of admission.classes"),
     ({"admission": {"shedStatus": 500}}, "spec.admission.shedStatus: Invalid value: 500 is not one of [429, 503]"),

@@ -55,6 +55,15 @@ class LoadView(Protocol):
         one request-equivalent when load in tokens must be compared with request counts."""
         ...
 
+    def pending_prefill(self, endpoint_id: str) -> float:
+        """Prompt tokens this router expects the endpoint still to compute: booked by least-prefill picks,
+        gone at the answer's first byte (router/prefill.py). Local only, like `in_flight`."""
+        ...
+
+    def prefill_speed(self, endpoint_id: str) -> float | None:
+        """The endpoint's measured prefill speed in tokens/s, None before its first measurement."""
+        ...
+
 
 class DecisionTrace:
     """Why a picker chose what it chose, for a request that asked for an explanation (router/explain.py).

@@ -31,6 +31,21 @@ Choice, per request:
     a guard trips                           -> least loaded             (`load_guard_<guard>`)
     otherwise                               -> best                     (`prefix_hit`)
 
+That is `selection: longest-match` (the default). `selection: least-prefill` instead sends the request where
+its first token is expected soonest, so a cached prefix is worth exactly the prefill it saves:
+
+    uncached(e) = prompt tokens - match(e) x blockTokens   (match(e) counts only from minMatchShare up)
+    wait(e)     = (pending(e) + uncached(e)) / speed(e)
+    choice      = argmin wait, ties to the least loaded (then at random)
+
+`pending(e)` is the prefill this router has sent to e that has not produced a first token yet and `speed(e)`
+e's measured prefill speed in tokens/s (router/prefill.py; before e is measured, the measured ones' mean per
+unit of capacity weight times e's weight), times its slow-start factor. No threshold decides between
+affinity and load: a hit saves its prefix's prefill, and a queue of other prompts' prefill costs the same
+tokens. Guards, when
+configured, leave out the endpoints whose load trips them (all of them tripping leaves out none); with
+least-prefill none is configured by default, since its wait already weighs the queue.
+
 "Least loaded" is least-connections' choice over `load(e)`, ties at random. `minMatchShare` (0.2) keeps a
 match that saves little prefill from outweighing load: one block of a short system prompt that every engine
 caches anyway is not worth queueing behind the few endpoints this router has already sent it to.
@@ -83,6 +98,7 @@ from router.policies.prefix_tuning import TuningConfig
 from router.prompt import prompt_length, prompt_pieces
 
 CHARS_PER_TOKEN = 4  # English text in Llama-3-class BPE vocabularies; sizing only, so a rough figure
+SELECTIONS = ("longest-match", "least-prefill")
 MAX_AUTO_BLOCKS = 1 << 20  # ~150 MB per endpoint: the most `auto` sizes an index to, whatever the engine says
 
 
@@ -114,6 +130,9 @@ class PrefixAwareConfig:
     max_in_flight: int | None = None  # load(best) at or above this: load wins
     max_load_factor: float | None = None  # load(best) above factor x the mean (bounded loads): load wins
     sigma_k: float | None = None  # load(best) above mean + k x stddev: load wins
+    # longest-match: the longest cached prefix unless a guard trips; least-prefill: the soonest expected first
+    # token (queued and uncached prefill over measured speed).
+    selection: str = "longest-match"
     sharing: SharingConfig = field(default_factory=SharingConfig)
     tuning: TuningConfig = field(default_factory=TuningConfig)
 
@@ -296,6 +315,8 @@ class PrefixAwarePicker:
         index = self._index
         hashes, prompt_chars = prompt_blocks(req.body, c.block_chars, c.max_blocks)
         load = {v.id: _load(v, loads) for v in candidates}
+        if c.selection == "least-prefill":
+            return self._least_prefill(req, loads, candidates, hashes, prompt_chars, load, trace)
         best: list[EndpointView] = []
         best_match, best_load = 0, 0.0
         if hashes:
@@ -341,11 +362,88 @@ class PrefixAwarePicker:
         remember(index, choice.id, hashes, prompt_chars, matched, c.block_chars)
         return choice
 
+    def _least_prefill(
+        self, req: RequestInfo, loads: LoadView, candidates: list[EndpointView], hashes: list[int],
+        prompt_chars: int, load: dict[str, float], trace: DecisionTrace | None,
+    ) -> EndpointView:
+        """`selection: least-prefill`: the candidate where the request's first token is expected soonest."""
+        c = self._config
+        index = self._index
+        tokens = prompt_chars / CHARS_PER_TOKEN
+        guarded: dict[str, str | None] | None = None
+        allowed = {v.id for v in candidates}
+        if c.max_in_flight is not None or c.max_imbalance is not None or c.max_load_factor is not None \
+                or c.sigma_k is not None:
+            limits = GuardLimits.of(load, c)
+            guarded = {v.id: limits.tripped(load[v.id]) for v in candidates}
+            allowed = {i for i, tripped in guarded.items() if tripped is None} or allowed
+        measured = {v.id: loads.prefill_speed(v.id) for v in candidates}
+        # An unmeasured endpoint counts at the measured ones' mean speed per unit of capacity weight.
+        known = [x / v.endpoint.weight for v in candidates if (x := measured[v.id])]
+        default = sum(known) / len(known) if known else 1.0
+        shortest = c.min_match_share * len(hashes)
+        raw: dict[str, int] = {}
+        best: list[EndpointView] = []
+        best_key = (math.inf, math.inf)
+        for view in candidates:
+            m = raw[view.id] = index.matched(view.id, hashes) if hashes else 0
+            if trace is not None:
+                trace.note(view.id, match_blocks=m)
+            if view.id not in allowed:
+                continue
+            counted = m if m >= shortest else 0
+            uncached = max(0.0, tokens - counted * c.block_tokens)
+            speed = (measured[view.id] or default * view.endpoint.weight) * view.weight_factor
+            pending = loads.pending_prefill(view.id)
+            wait = (pending + uncached) / speed if speed > 0.0 else math.inf
+            if trace is not None:
+                trace.note(view.id, uncached_tokens=round(uncached, 1), pending_prefill=round(pending, 1),
+                           prefill_speed=round(measured[view.id], 1) if measured[view.id] else None,
+                           speed_used=round(speed, 1), expected_wait_ms=round(wait * 1000, 3))
+            key = (wait, load[view.id])
+            if key < best_key:
+                best, best_key = [view], key
+            elif key == best_key:
+                best.append(view)
+        choice = best[0] if len(best) == 1 else self._rng.choice(best)
+        top = max(raw.values())
+        matched = raw[choice.id] if raw[choice.id] >= shortest else 0
+        # Endpoints holding the longest match, when it counts.
+        holders = [v.id for v in candidates if raw[v.id] == top] if top and top >= shortest else []
+        if matched:
+            event = "prefix_hit"
+        elif holders and guarded is not None and all(i not in allowed for i in holders):
+            event = guarded[holders[0]] or "prefix_outweighed"  # a guard left every holder out
+        elif holders:
+            event = "prefix_outweighed"
+        else:
+            event = "prefix_short" if top else "prefix_miss"
+        self._events(event)
+        req.note.prefill_tokens = max(0.0, tokens - matched * c.block_tokens)
+        if trace is not None:
+            for view in candidates:
+                trace.note(view.id, cluster_in_flight=loads.cluster_in_flight(view.id), load=load[view.id])
+                if guarded is not None and view.id not in allowed:
+                    trace.note(view.id, guard=guarded[view.id])
+            trace.reason = "least_prefill"
+            trace.detail.update(selection="least-prefill", event=event, blocks_hashed=len(hashes),
+                                block_chars=c.block_chars, prompt_chars=prompt_chars, prompt_tokens=round(tokens, 1),
+                                best_match_blocks=top, min_match_share=c.min_match_share,
+                                default_speed=round(default, 1) if known else None)
+            if len(best) > 1:
+                trace.detail["tied"] = len(best)
+                trace.detail["tied_with"] = listed(v.id for v in best)
+        remember(index, choice.id, hashes, prompt_chars, raw[choice.id], c.block_chars)
+        return choice
+
     def observe(self, req: RequestInfo, view: EndpointView) -> None:
         """A request went to `view` without a pick (a session's pinned endpoint): its blocks are there now."""
         c = self._config
         hashes, prompt_chars = prompt_blocks(req.body, c.block_chars, c.max_blocks)
         matched = self._index.matched(view.id, hashes) if hashes else 0
+        if c.selection == "least-prefill":
+            counted = matched if matched >= c.min_match_share * len(hashes) else 0
+            req.note.prefill_tokens = max(0.0, prompt_chars / CHARS_PER_TOKEN - counted * c.block_tokens)
         remember(self._index, view.id, hashes, prompt_chars, matched, c.block_chars)
 
     def _least_loaded(
@@ -436,8 +534,13 @@ class PrefixAwarePolicy:
 
     def parse(self, params: Mapping[str, Any]) -> PrefixAwareConfig:
         reject_unknown(params, {"blockChars", "maxBlocks", "maxBlocksPerEndpoint", "minMatchShare", "maxImbalance",
-                                "maxInFlight", "maxLoadFactor", "sigmaK", "sharing", "tuning"})
+                                "maxInFlight", "maxLoadFactor", "sigmaK", "selection", "sharing", "tuning"})
         d = PrefixAwareConfig()
+        selection = params.get("selection", d.selection)
+        if selection not in SELECTIONS:
+            raise PolicyConfigError("selection", f"must be one of {', '.join(SELECTIONS)}, got {selection!r}")
+        # least-prefill's wait already weighs the queue: no imbalance guard unless one is asked for
+        imbalance_default = d.max_imbalance if selection == "longest-match" else None
         block_chars = integer_param(params, "blockChars", d.block_chars, minimum=16, maximum=65536)
         max_blocks = integer_param(params, "maxBlocks", d.max_blocks, minimum=1, maximum=4096)
         min_share = number_param(params, "minMatchShare", d.min_match_share, minimum=0.0, maximum=1.0)
@@ -447,10 +550,11 @@ class PrefixAwarePolicy:
             max_blocks=max_blocks,
             max_blocks_per_endpoint=_bound(params),
             min_match_share=min_share,
-            max_imbalance=integer_param(params, "maxImbalance", d.max_imbalance, minimum=0, nullable=True),
+            max_imbalance=integer_param(params, "maxImbalance", imbalance_default, minimum=0, nullable=True),
             max_in_flight=integer_param(params, "maxInFlight", d.max_in_flight, minimum=1, nullable=True),
             max_load_factor=number_param(params, "maxLoadFactor", d.max_load_factor, minimum=1.0, nullable=True),
             sigma_k=number_param(params, "sigmaK", d.sigma_k, minimum=0.0, exclusive=True, nullable=True),
+            selection=selection,
             sharing=_sharing(params),
             tuning=_tuning(params),
         )
