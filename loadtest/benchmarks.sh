@@ -10,7 +10,8 @@ OUT=loadtest/results/bench
 mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(seed-table seed-table-weighted degraded-node prefix-heavy no-sharing
-                                 peers-heterogeneous peers-prefix-heavy peers-prefix-heavy-repeat overhead scale lab)
+                                 peers-heterogeneous peers-prefix-heavy peers-prefix-heavy-repeat peers-prefix-heavy-high
+                                 overhead scale lab)
 for step in "${steps[@]}"; do
     echo "=== $step ($(date -u +%H:%M:%S))"
     case "$step" in
@@ -23,16 +24,20 @@ for step in "${steps[@]}"; do
                 --plots "$OUT/scale" ;;
         lab)
             mkdir -p "$OUT/lab"
+            LEAST_PREFILL='prefix-aware least-prefill={"strategy": "prefix-aware", "prefixAware": {"selection": "least-prefill"}}'
             for f in 0.3 0.6 0.9; do
                 python -m loadtest.lab loadtest/scenarios/seed-table.yaml --fraction $f --seeds 5 \
                     --policy 'adaptive, best-score (before)={"strategy": "adaptive", "adaptive": {"selection": "best-score"}}' \
                     --policy 'adaptive, choices all={"strategy": "adaptive", "adaptive": {"choices": "all"}}' \
-                    --markdown "$OUT/lab/seed-table-$f.md"
+                    --policy "$LEAST_PREFILL" --markdown "$OUT/lab/seed-table-$f.md"
             done
             python -m loadtest.lab loadtest/scenarios/seed-table-weighted.yaml --fraction 0.6 --seeds 5 \
-                --markdown "$OUT/lab/seed-table-weighted-0.6.md"
-            python -m loadtest.lab loadtest/scenarios/prefix-heavy.yaml --fraction 0.5 --seeds 6 \
-                --markdown "$OUT/lab/prefix-heavy-0.5.md"
+                --policy "$LEAST_PREFILL" --markdown "$OUT/lab/seed-table-weighted-0.6.md"
+            for f in 0.5 0.8; do
+                python -m loadtest.lab loadtest/scenarios/prefix-heavy.yaml --fraction $f --seeds 6 \
+                    --policy 'least-prefill, maxImbalance 8={"strategy": "prefix-aware", "prefixAware": {"selection": "least-prefill", "maxImbalance": 8}}' \
+                    --markdown "$OUT/lab/prefix-heavy-$f.md"
+            done
             for f in 0.6 0.9; do
                 python -m loadtest.lab loadtest/scenarios/no-sharing.yaml --fraction $f --seeds 8 \
                     --policy 'prefix-aware, any match (minMatchShare 0)={"strategy": "prefix-aware", "prefixAware": {"minMatchShare": 0}}' \
