@@ -73,12 +73,12 @@ class LoadTracker:
 
     @contextmanager
     def track(self, endpoint_id: str, cost: float = 0.0, prefill: float = 0.0, *,
-              streamed: bool = False) -> Iterator[Flight]:
-        """Count a request at the endpoint for the body of the `with`; the `Flight` it yields hears of the
-        answer's first byte (when `prefill` tokens were booked, that ends them and may time the endpoint)."""
-        flight = Flight(self, self.prefill.start(endpoint_id, prefill, time.monotonic(), streamed=streamed)
-                        if prefill > 0.0 else None)
-        if flight.booked is not None:
+              streamed: bool = False) -> Iterator[Prefill | None]:
+        """Count a request at the endpoint for the body of the `with`. With `prefill` tokens, they are booked
+        as pending and the booking is yielded, for `prefill_done` at the answer's first byte."""
+        booked = self.prefill.start(endpoint_id, prefill, time.monotonic(), streamed=streamed) if prefill > 0.0 \
+            else None
+        if booked is not None:
             self._show_prefill(endpoint_id)
         self._counts[endpoint_id] += 1
         gauge = self._children.get(endpoint_id)
@@ -90,10 +90,10 @@ class LoadTracker:
             n = self._costed = min(self._costed + 1, MEAN_COST_WINDOW)
             self._mean_cost += (cost - self._mean_cost) / n
         try:
-            yield flight
+            yield booked
         finally:
-            if flight.booked is not None and flight.booked.open:
-                self.prefill.end(flight.booked)
+            if booked is not None and booked.open:
+                self.prefill.end(booked)
                 self._show_prefill(endpoint_id)
             left = self._counts[endpoint_id] = self._counts[endpoint_id] - 1
             gauge.dec()
@@ -102,12 +102,14 @@ class LoadTracker:
             if self.on_release is not None:
                 self.on_release(endpoint_id)
 
-    def prefill_done(self, booked: Prefill, now: float, *, timed: bool) -> None:
-        """A booked request's answer began: its prefill is done; `timed` (a stream that is not an error)
-        lets its wait measure the endpoint."""
+    def prefill_done(self, booked: Prefill, *, timed: bool) -> None:
+        """A booked request's answer began: its prefill is done. `timed` (a stream that is not an error) lets
+        its wait measure the endpoint; an error answer or a non-streamed body says nothing of its speed."""
+        if not booked.open:
+            return
         e = booked.endpoint_id
         if timed:
-            self.prefill.first_token(booked, now)
+            self.prefill.first_token(booked, time.monotonic())
             speed = self.prefill.speed(e)
             if speed is not None:
                 self._speed_gauge.labels(e).set(speed)
@@ -130,18 +132,3 @@ class LoadTracker:
         self._costs[endpoint_id] = total
         gauge.set(total)
 
-
-class Flight:
-    """One tracked request, for the proxy to report its answer's first byte to."""
-
-    __slots__ = ("_tracker", "booked")
-
-    def __init__(self, tracker: LoadTracker, booked: Prefill | None) -> None:
-        self._tracker = tracker
-        self.booked = booked
-
-    def first_byte(self, *, timed: bool = True) -> None:
-        """The answer's first byte arrived; `timed=False` when its wait says nothing of the endpoint's prefill
-        speed (an error answer, or a body that is not a stream)."""
-        if self.booked is not None and self.booked.open:
-            self._tracker.prefill_done(self.booked, time.monotonic(), timed=timed)

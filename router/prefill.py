@@ -55,9 +55,6 @@ class PrefillBook:
         seconds = self._seconds.get(endpoint_id)
         return self._work[endpoint_id] / seconds if seconds else None
 
-    def speeds(self) -> dict[str, float]:
-        return {e: w / self._seconds[e] for e, w in self._work.items() if self._seconds[e]}
-
     def start(self, endpoint_id: str, tokens: float, now: float, *, streamed: bool) -> Prefill:
         pending = self._pending[endpoint_id] = self._pending[endpoint_id] + tokens
         return Prefill(endpoint_id, tokens, pending, now, streamed)

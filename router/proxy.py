@@ -28,10 +28,11 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.errors import error_response
 from router.explain import EXPLAIN_HEADER
-from router.loads import Flight, LoadTracker
+from router.loads import LoadTracker
 from router.metrics import RouterMetrics
 from router.model import EndpointView
 from router.output_tokens import OutputCount, OutputCounter
+from router.prefill import Prefill
 from router.settings import Timeouts
 
 log = logging.getLogger("fleetroute.proxy")
@@ -142,7 +143,7 @@ class Proxy:
         url = view.endpoint.url + request.path_qs
         errors = self._metrics.upstream_errors
         header_wait = timeouts.first_byte if deadline is None else min(timeouts.first_byte, deadline - loop.time())
-        with self._loads.track(endpoint_id, cost, prefill, streamed=streamed) as flight:
+        with self._loads.track(endpoint_id, cost, prefill, streamed=streamed) as booked:
             try:
                 async with asyncio.timeout(max(header_wait, 0.0)):
                     upstream = await self._session.request(
@@ -183,7 +184,7 @@ class Proxy:
                     upstream.close()
                     raise UpstreamFailed("http_5xx", f"endpoint {endpoint_id} answered {upstream.status}")
             return await self._stream(request, upstream, endpoint_id, request_id, timeouts, started, loop, deadline,
-                                      counter, flight, extra_headers)
+                                      counter, booked, extra_headers)
 
     async def _stream(
         self,
@@ -196,7 +197,7 @@ class Proxy:
         loop: asyncio.AbstractEventLoop,
         deadline: float | None,
         counter: OutputCounter | None,
-        flight: Flight,
+        booked: Prefill | None,
         extra_headers: Mapping[str, str] | None = None,
     ) -> Outcome:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
@@ -224,8 +225,9 @@ class Proxy:
                     idle.reschedule(deadline)
                     if outcome.ttfb is None:
                         outcome.ttfb = time.perf_counter() - started
-                        # Only a stream's first token times the prefill; an error answers at once.
-                        flight.first_byte(timed=upstream.status < 400 and upstream.content_type == "text/event-stream")
+                        if booked is not None:  # only a stream's first token times prefill; an error is at once
+                            self._loads.prefill_done(
+                                booked, timed=upstream.status < 400 and upstream.content_type == "text/event-stream")
                     if counter is not None:
                         counter.feed(chunk)
                     await response.write(chunk)

@@ -278,6 +278,13 @@ def guard_report(best_load: float, load: Mapping[str, float], config: PrefixAwar
     return out
 
 
+def uncached_tokens(prompt_chars: int, matched: int, blocks: int, config: PrefixAwareConfig) -> float:
+    """The prompt tokens an endpoint holding `matched` of the request's `blocks` hashed blocks still has to
+    compute, as least-prefill counts them: a match under minMatchShare saves nothing."""
+    counted = matched if matched >= config.min_match_share * blocks else 0
+    return max(0.0, prompt_chars / CHARS_PER_TOKEN - counted * config.block_tokens)
+
+
 def remember(index: PrefixIndex, endpoint_id: str, hashes: list[int], prompt_chars: int, matched: int,
              block_chars: int) -> None:
     """What a prefix index learns from a request sent to an endpoint: the share of its prompt the index said
@@ -391,8 +398,7 @@ class PrefixAwarePicker:
                 trace.note(view.id, match_blocks=m)
             if view.id not in allowed:
                 continue
-            counted = m if m >= shortest else 0
-            uncached = max(0.0, tokens - counted * c.block_tokens)
+            uncached = uncached_tokens(prompt_chars, m, len(hashes), c)
             speed = (measured[view.id] or default * view.endpoint.weight) * view.weight_factor
             pending = loads.pending_prefill(view.id)
             wait = (pending + uncached) / speed if speed > 0.0 else math.inf
@@ -419,7 +425,7 @@ class PrefixAwarePicker:
         else:
             event = "prefix_short" if top else "prefix_miss"
         self._events(event)
-        req.note.prefill_tokens = max(0.0, tokens - matched * c.block_tokens)
+        req.note.prefill_tokens = uncached_tokens(prompt_chars, matched, len(hashes), c)
         if trace is not None:
             for view in candidates:
                 trace.note(view.id, cluster_in_flight=loads.cluster_in_flight(view.id), load=load[view.id])
@@ -442,8 +448,7 @@ class PrefixAwarePicker:
         hashes, prompt_chars = prompt_blocks(req.body, c.block_chars, c.max_blocks)
         matched = self._index.matched(view.id, hashes) if hashes else 0
         if c.selection == "least-prefill":
-            counted = matched if matched >= c.min_match_share * len(hashes) else 0
-            req.note.prefill_tokens = max(0.0, prompt_chars / CHARS_PER_TOKEN - counted * c.block_tokens)
+            req.note.prefill_tokens = uncached_tokens(prompt_chars, matched, len(hashes), c)
         remember(self._index, view.id, hashes, prompt_chars, matched, c.block_chars)
 
     def _least_loaded(
