@@ -166,6 +166,24 @@ class Load:
         return [o for o in self.outcomes if not o.complete]
 
 
+# ---- 0. the chart's defaults (first: its own cluster, closed before the module's starts) ----------------------
+
+
+async def test_the_chart_with_default_values_serves_through_its_service(tmp_path: Path) -> None:
+    box = Cluster(tmp_path, release=RELEASE, namespace=NS)
+    try:
+        await box.start(ready_timeout=90)
+        values = yaml.safe_load((Path(__file__).parent.parent / "helm" / "fleetroute" / "values.yaml").read_text())
+        model = values["pools"][0]["servedModelNames"][0]
+        assert box.http is not None
+        outcome = await chat(box.http, box.service_url(ROUTER, "http"), model)
+        assert outcome.complete, outcome
+        assert outcome.endpoint == box.pods("worker")[0]["metadata"]["name"]
+        assert not box.kube.denied, f"RBAC refused the router: {box.kube.denied}"
+    finally:
+        await box.close()
+
+
 # ---- 1. every pool ------------------------------------------------------------------------------------------
 
 
@@ -244,14 +262,18 @@ async def test_agent_telemetry_reaches_the_routers_and_moves_the_adaptive_policy
 
     hogs = [asyncio.create_task(hog()) for _ in range(16)]
     try:
-        def moved(v: dict[str, dict[str, dict[str, Any]]]) -> bool:
-            return all((e[loaded]["telemetry"] or {}).get("kv_cache_usage", 0) >
+        def moved(v: dict[str, dict[str, dict[str, Any]]]) -> bool:  # in every router's view
+            return all((e[loaded]["telemetry"] or {}).get("num_running", 0) >= 8 and
+                       (e[loaded]["telemetry"] or {}).get("kv_cache_usage", 0) >
                        (e[idle]["telemetry"] or {}).get("kv_cache_usage", 0) + 0.02 for e in v.values())
-        async with asyncio.timeout(20):
-            while not moved(seen := await views()):
-                await asyncio.sleep(0.5)
-        for router, view in seen.items():
-            assert view[loaded]["telemetry"]["num_running"] >= 8, (router, view[loaded])
+        seen: dict[str, dict[str, dict[str, Any]]] = {}
+        try:
+            async with asyncio.timeout(20):
+                while not moved(seen := await views()):
+                    await asyncio.sleep(0.5)
+        except TimeoutError:
+            raise AssertionError(f"the routers' telemetry of the loaded {loaded} did not move within 20 s: "
+                                 f"{ {r: v[loaded]['telemetry'] for r, v in seen.items()} }") from None
         # Through the Service, one request at a time: the adaptive policy sends them to the idle worker.
         url = cluster.service_url(ROUTER, "http")
         picks = [(await chat(cluster.http, url, model)).endpoint for _ in range(20)]
@@ -400,22 +422,3 @@ async def test_evictions_honour_the_router_disruption_budget(cluster: Cluster) -
     await cluster.wait_ready(timeout=60)
     assert (await evict(routers[1]))[0] == 201  # with the replacement ready, the drain goes on
     await cluster.wait_ready(timeout=60)
-
-
-# ---- the chart's defaults -------------------------------------------------------------------------------------
-
-
-@pytest.mark.asyncio(loop_scope="function")
-async def test_the_chart_with_default_values_serves_through_its_service(tmp_path: Path) -> None:
-    box = Cluster(tmp_path, release=RELEASE, namespace=NS)
-    try:
-        await box.start(ready_timeout=90)
-        values = yaml.safe_load((Path(__file__).parent.parent / "helm" / "fleetroute" / "values.yaml").read_text())
-        model = values["pools"][0]["servedModelNames"][0]
-        assert box.http is not None
-        outcome = await chat(box.http, box.service_url(ROUTER, "http"), model)
-        assert outcome.complete, outcome
-        assert outcome.endpoint == box.pods("worker")[0]["metadata"]["name"]
-        assert not box.kube.denied, f"RBAC refused the router: {box.kube.denied}"
-    finally:
-        await box.close()

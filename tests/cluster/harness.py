@@ -128,15 +128,19 @@ class Cluster:
             raise ClusterError(f"the cluster harness failed: {self._failure!r}") from self._failure
 
     async def close(self) -> None:
+        started = asyncio.get_running_loop().time()
         if self._loop is not None:
             self._loop.cancel()
             await asyncio.gather(self._loop, return_exceptions=True)
         if self.kubelet is not None:
             await self.kubelet.close()
+        killed = asyncio.get_running_loop().time()
         await self.proxy.close()
         if self.http is not None:
             await self.http.close()
         await self.kube.stop()
+        log.info("cluster closed in %.1fs (processes killed in %.1fs)", asyncio.get_running_loop().time() - started,
+                 killed - started)
 
     # ---- kubectl ---------------------------------------------------------------------------------------
 
