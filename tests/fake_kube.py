@@ -1,7 +1,8 @@
 """A fake Kubernetes API server for tests (aiohttp, 127.0.0.1, a free port), faithful where clients look.
 
 It serves what the official `kubernetes` client (sync and `kubernetes.aio`) and kubectl need for the
-resources it knows (EndpointSlices, Pods, Services, Namespaces; add more to `RESOURCES`):
+resources it knows (`BUILTIN_RESOURCES`: every kind the chart renders, plus RoutingPolicies by default; a
+created CustomResourceDefinition adds its resource, with its schema):
 
 - discovery: `/version` (every field: the official client's models are strict), `/api`, `/api/v1`, `/apis`,
   `/apis/<group>/<version>` (resource lists with verbs and short names);
@@ -21,6 +22,17 @@ validation on every write (422 `Invalid` with field messages), is stored with it
 (list, get and watch: kubectl get and get -w), and a `/status` subresource (RoutingPolicies): writes to the
 object keep its status, writes to `/status` change only the status, and `metadata.generation` moves only
 when the spec does. Leases (coordination.k8s.io/v1) are plain objects with the PUT resourceVersion check.
+
+Beyond reads and writes (tests/fake_kube_admission.py has the details): service-account tokens
+(`service_account_token`) whose requests RBAC authorizes from the stored Roles and bindings (403 with the API
+server's message, kept in `denied`; the admin token, or no token when `token=None`, is not checked); with
+`strict=True`, namespaces must exist and built-in objects are validated against Kubernetes' schemas
+(fieldValidation=Strict: unknown fields are a 400) and CRDs structurally; `/openapi/v3` for kubectl; graceful
+deletion (a pod on a node, or an object with finalizers, gets a deletionTimestamp; `delete_gracefully`), the
+pod eviction subresource against PodDisruptionBudgets (429), Secrets' `stringData`, resource quantities
+stored as strings, strategic merge patches without directives (as merge patches), watch lists
+(`sendInitialEvents`, ending with the initial-events-end BOOKMARK), and `changed()` for in-process
+controllers. Protobuf bodies get a 415 (typed clients such as `kubectl create namespace` send them).
 
 The test drives it: `create`/`update`/`delete` objects (each bumps the cluster-wide resourceVersion, as
 etcd's revision), `compact()` the history, `close_watches()` (cleanly or abruptly), `expire_watches()` (an
