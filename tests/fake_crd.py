@@ -48,9 +48,9 @@ def _to_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 class FakeCRD:
-    def __init__(self, path: Path = CRD_PATH) -> None:
-        self.crd = yaml.safe_load(path.read_text())
-        version = self.crd["spec"]["versions"][0]
+    def __init__(self, path: Path = CRD_PATH, *, crd: dict[str, Any] | None = None) -> None:
+        self.crd = crd if crd is not None else yaml.safe_load(path.read_text())
+        version = next((v for v in self.crd["spec"]["versions"] if v.get("storage")), self.crd["spec"]["versions"][0])
         self.schema = version["schema"]["openAPIV3Schema"]
         self.columns = version.get("additionalPrinterColumns", [])
         self.plural = self.crd["spec"]["names"]["plural"]
@@ -59,6 +59,11 @@ class FakeCRD:
         converted["properties"]["metadata"]["additionalProperties"] = True  # ObjectMeta: the API server's own
         self.validator = validator(converted)
         self.cel = celpy.Environment()
+
+    @classmethod
+    def from_object(cls, crd: dict[str, Any]) -> FakeCRD:
+        """From a CustomResourceDefinition created through the API (tests/fake_kube.py serves it then)."""
+        return cls(crd=copy.deepcopy(crd))
 
     # ---- admission ---------------------------------------------------------------------------------
 
@@ -136,6 +141,65 @@ def _default(schema: dict[str, Any], value: Any) -> None:
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         for item in value:
             _default(schema["items"], item)
+
+
+# JSONSchemaProps fields a v1 CRD may not use (apiextensions validation), and the structural-schema rules.
+_FORBIDDEN_IN_V1 = ("$ref", "definitions", "dependencies", "id", "patternProperties", "additionalItems")
+
+
+def crd_problems(crd: dict[str, Any]) -> list[str]:
+    """What the API server refuses in a CustomResourceDefinition beyond its OpenAPI schema: a schema that is not
+    structural (a field without a type; properties beside additionalProperties; fields v1 forbids), a default
+    its own schema rejects, and an x-kubernetes-validations rule that does not compile or that ranges over an
+    object with properties (https://kubernetes.io/docs/tasks/extend-kubernetes/custom-resources/
+    custom-resource-definitions/#specifying-a-structural-schema)."""
+    problems: list[str] = []
+    cel = celpy.Environment()
+    for i, version in enumerate(crd.get("spec", {}).get("versions") or ()):
+        schema = (version.get("schema") or {}).get("openAPIV3Schema")
+        if schema is None:
+            continue
+        _structural(schema, f"spec.versions[{i}].schema.openAPIV3Schema", problems, cel, root=True)
+    return problems
+
+
+def _structural(schema: dict[str, Any], where: str, problems: list[str], cel: Any, *, root: bool = False) -> None:
+    typed = "type" in schema or schema.get("x-kubernetes-int-or-string") or \
+        schema.get("x-kubernetes-preserve-unknown-fields")
+    if not typed:
+        problems.append(f"{where}.type: Required value: must not be empty for specified object fields")
+    for key in _FORBIDDEN_IN_V1:
+        if key in schema:
+            problems.append(f"{where}.{key}: Forbidden: {key} is not supported in v1 CustomResourceDefinitions")
+    if schema.get("uniqueItems") is True:
+        problems.append(f"{where}.uniqueItems: Forbidden: uniqueItems cannot be set to true since the runtime "
+                        "complexity becomes quadratic")
+    if "properties" in schema and "additionalProperties" in schema:
+        problems.append(f"{where}.additionalProperties: Forbidden: additionalProperties and properties are "
+                        "mutual exclusive")
+    if "default" in schema and not root:
+        errors = list(jsonschema.Draft4Validator(_to_json_schema(schema)).iter_errors(schema["default"]))
+        problems += [f"{where}.default: Invalid value: {e.message}" for e in errors[:3]]
+    for j, rule in enumerate(schema.get("x-kubernetes-validations") or ()):
+        text = rule.get("rule", "") if isinstance(rule, dict) else ""
+        unknown = set(rule) - {"rule", "message", "messageExpression", "reason", "fieldPath", "optionalOldSelf"} \
+            if isinstance(rule, dict) else set()
+        if unknown:
+            problems.append(f"{where}.x-kubernetes-validations[{j}]: unknown fields {sorted(unknown)}")
+        try:
+            cel.compile(text)
+        except Exception as exc:  # celpy's CELParseError and friends
+            problems.append(f"{where}.x-kubernetes-validations[{j}].rule: Invalid value: {text!r}: compilation "
+                            f"failed: {str(exc).splitlines()[0]}")
+        if schema.get("properties") and _COMPREHENSION_ON_SELF.search(text):
+            problems.append(f"{where}.x-kubernetes-validations[{j}].rule: Invalid value: {text!r}: cannot be "
+                            "range of a comprehension (an object with properties)")
+    for key, sub in (schema.get("properties") or {}).items():
+        if isinstance(sub, dict):
+            _structural(sub, f"{where}.properties[{key}]", problems, cel)
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            _structural(schema[key], f"{where}.{key}", problems, cel)
 
 
 _COMPREHENSION_ON_SELF = re.compile(r"\bself\.(all|exists|exists_one|map|filter)\(")

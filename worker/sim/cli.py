@@ -1,12 +1,33 @@
-"""`fleetroute sim` command line: parse, validate, build the engine, serve."""
+"""`fleetroute sim` command line: parse, validate, build the engine, serve.
+
+**vLLM's command line** (`--vllm ARGS...`): everything after `--vllm` is read as the arguments of vLLM's
+OpenAI server (`vllm serve` / `python -m vllm.entrypoints.openai.api_server`), so the simulator can stand in
+for the vLLM image wherever a vLLM command line is rendered (the Helm chart's worker pods; the
+cluster-in-a-box test runs them this way). What the simulator models is used: the model (positional or
+`--model`, shown as `root` in /v1/models), `--served-model-name` (one or more; answers carry the first, as
+vLLM's do), `--host`, `--port`, `--max-model-len` (vLLM's `8k`/`8K` forms too), `--max-num-seqs`,
+`--max-num-batched-tokens`, `--[no-]enable-prefix-caching`, `--seed` and `--kv-cache-dtype` (an FP8 cache
+holds twice the tokens of the profile's 16-bit one). `--tensor-parallel-size`, `--gpu-memory-utilization`,
+`--[no-]enable-chunked-prefill` and `--speculative-config` are validated as vLLM does but not modelled (the
+GPU profile fixes the step times and the KV pool), and one log line says so. Any other argument is ignored,
+with one log line naming them. The simulator's own options (`--gpu`, `--time-scale`, ...) go before
+`--vllm`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import random
+import re
 import sys
 
 BATCHING = ("continuous", "dynamic", "static")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")  # vLLM 0.11's choices
+VLLM_DEFAULT_PORT = 8000
+
+log = logging.getLogger("fleetroute.sim")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -33,7 +54,105 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     p.add_argument("--fault-injection", action="store_true",
                    help="enable POST/DELETE /sim/faults (slowdown, errors, hang, stalled streams, unhealthy)")
+    p.add_argument("--vllm", nargs=argparse.REMAINDER, metavar="VLLM_ARG",
+                   help="the rest of the command line is vLLM's OpenAI-server arguments (--model, "
+                        "--served-model-name, --host, --port, --max-model-len, --enable-prefix-caching, "
+                        "--kv-cache-dtype...): the simulator stands in for a vLLM command line; arguments it "
+                        "does not model are logged and ignored")
     p.set_defaults(func=run)
+
+
+def _human_int(text: str) -> int:
+    """vLLM's `human_readable_int`: 8192, 8k (x1000), 8K (x1024), 1m, 1M, 25.6k."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"invalid integer: {text!r}")
+    number, suffix = m.groups()
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
+    value = float(number) * scale
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"not a whole number of tokens: {text!r}")
+    return int(value)
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _json_object(text: str) -> dict:  # type: ignore[type-arg]
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+class _VllmArgsError(Exception):
+    pass
+
+
+class _VllmParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _VllmArgsError(message)
+
+
+def vllm_parser() -> argparse.ArgumentParser:
+    """The part of vLLM's OpenAI-server command line the simulator reads (names, forms and defaults as vLLM's)."""
+    p = _VllmParser(prog="vllm serve", add_help=False, allow_abbrev=False)
+    p.add_argument("--model", default=None)
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=VLLM_DEFAULT_PORT)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=_human_int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=_human_int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    # Validated, not modelled:
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--speculative-config", type=_json_object, default=None)
+    return p
+
+
+NOT_MODELLED = ("tensor_parallel_size", "gpu_memory_utilization", "enable_chunked_prefill", "speculative_config")
+
+
+def apply_vllm_args(args: argparse.Namespace, argv: list[str]) -> tuple[list[str], list[str]]:
+    """Read vLLM's arguments `argv` into the sim's `args` (in place). Returns (the vLLM options given that
+    are not modelled, the arguments ignored as unknown). Raises ValueError on a value vLLM would refuse."""
+    # `vllm serve MODEL [options]`: the model comes first. Read only there, an unknown option's value
+    # (`--dtype bfloat16`) is never taken for a model.
+    model_tag = argv[0] if argv and not argv[0].startswith("-") else None
+    try:
+        vllm, unknown = vllm_parser().parse_known_args(argv[1:] if model_tag else argv)
+    except _VllmArgsError as exc:
+        raise ValueError(f"vLLM arguments: {exc}") from None
+    if model_tag and vllm.model and model_tag != vllm.model:
+        raise ValueError(f"vLLM arguments: two models: {model_tag!r} and --model {vllm.model!r}")
+    model = model_tag or vllm.model or "Qwen/Qwen3-0.6B"  # vLLM's default --model
+    names = vllm.served_model_name or [model]
+    args.model, args.aliases, args.model_path = names[0], tuple(names[1:]), model
+    args.host = vllm.host or "0.0.0.0"  # vLLM binds every interface unless --host is given
+    args.port = vllm.port
+    args.seed = vllm.seed
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(vllm, name) is not None:
+            setattr(args, name, getattr(vllm, name))
+    if vllm.enable_prefix_caching is not None:
+        args.no_prefix_caching = not vllm.enable_prefix_caching
+    args.kv_cache_dtype = vllm.kv_cache_dtype
+    if vllm.tensor_parallel_size is not None and vllm.tensor_parallel_size < 1:
+        raise ValueError(f"vLLM arguments: --tensor-parallel-size must be >= 1, got {vllm.tensor_parallel_size}")
+    not_modelled = [f"--{n.replace('_', '-')}" for n in NOT_MODELLED if getattr(vllm, n) is not None]
+    return not_modelled, unknown
 
 
 def _fail(message: str) -> int:
@@ -48,6 +167,14 @@ def run(args: argparse.Namespace) -> int:
     from worker.sim.profiles import load_profiles, profile
     from worker.sim.server import SimSettings, run_sim
 
+    not_modelled: list[str] = []
+    ignored: list[str] = []
+    args.aliases, args.model_path, args.kv_cache_dtype = (), None, "auto"
+    if args.vllm is not None:
+        try:
+            not_modelled, ignored = apply_vllm_args(args, args.vllm)
+        except ValueError as exc:
+            return _fail(str(exc))
     if not 0 <= args.port <= 65535:
         return _fail(f"--port must be between 0 and 65535, got {args.port}")
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -60,6 +187,10 @@ def run(args: argparse.Namespace) -> int:
         gpu = profile(args.gpu, custom)
     except (ValueError, OSError) as exc:
         return _fail(str(exc))
+    if args.kv_cache_dtype.startswith("fp8"):  # one byte per KV element instead of the profile's two
+        from dataclasses import replace
+
+        gpu = replace(gpu, kv_pool_tokens=gpu.kv_pool_tokens * 2)
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -69,8 +200,13 @@ def run(args: argparse.Namespace) -> int:
     settings = SimSettings(
         model=args.model, profile=gpu, engine=config, host=args.host, port=args.port, seed=args.seed,
         time_scale=args.time_scale, max_model_len=args.max_model_len, fault_injection=args.fault_injection,
+        aliases=args.aliases, model_path=args.model_path,
     )
     configure_logging("info")
+    if not_modelled:
+        log.info("vLLM arguments accepted but not modelled by the simulator", extra={"arguments": not_modelled})
+    if ignored:
+        log.warning("vLLM arguments ignored: the simulator does not know them", extra={"arguments": ignored})
     try:
         run_event_loop(run_sim(settings, EngineCore(gpu, config, random.Random(args.seed))))
     except OSError as exc:

@@ -51,6 +51,13 @@ class SimSettings:
     time_scale: float = 1.0
     max_model_len: int = 8192
     fault_injection: bool = False
+    # vLLM's further `--served-model-name` values: accepted in requests and listed in /v1/models; answers
+    # name `model`, the first served name, as vLLM's do.
+    aliases: tuple[str, ...] = ()
+    model_path: str | None = None  # vLLM's `--model` (a Hugging Face id or path): `root` in /v1/models
+
+    def serves(self, name: object) -> bool:
+        return name == self.model or name in self.aliases
 
 
 class _Pending:
@@ -172,7 +179,7 @@ class SimServer:
                 await faults.cleared.wait()
         if faults.error_rate and self._rng.random() < faults.error_rate:
             return _vllm_error(faults.error_status, "injected fault", "InternalServerError")
-        if body.get("model") != self.settings.model:
+        if not self.settings.serves(body.get("model")):
             return _vllm_error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
         chat = request.path == "/v1/chat/completions"
         try:
@@ -322,8 +329,9 @@ class SimServer:
     async def _models(self, request: web.Request) -> web.Response:
         s = self.settings
         return web.json_response({"object": "list", "data": [{
-            "id": s.model, "object": "model", "created": int(self._epoch), "owned_by": "vllm", "root": s.model,
-            "parent": None, "max_model_len": s.max_model_len}]})
+            "id": name, "object": "model", "created": int(self._epoch), "owned_by": "vllm",
+            "root": s.model_path or s.model, "parent": None, "max_model_len": s.max_model_len,
+        } for name in (s.model, *s.aliases)]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         """vLLM's `POST /tokenize`: the token ids the engine would see for a `prompt` or a chat's `messages`,
@@ -337,7 +345,7 @@ class SimServer:
         if not isinstance(body, dict):
             return _vllm_error(400, "request body must be a JSON object", "BadRequestError")
         model = body.get("model")
-        if model is not None and model != self.settings.model:
+        if model is not None and not self.settings.serves(model):
             return _vllm_error(404, f"The model `{model}` does not exist.", "NotFoundError")
         try:
             if "messages" in body:

