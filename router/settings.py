@@ -369,7 +369,7 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     retries = Retries(
         attempts=r.integer("attempts", Retries.attempts, minimum=1, maximum=10),
         budget_percent=r.number("budgetPercent", Retries.budget_percent, minimum=0, maximum=100),
-        min_per_second=r.number("minRetriesPerSecond", Retries.min_per_second, minimum=0),
+        min_per_second=r.number("minRetriesPerSecond", Retries.min_per_second, minimum=0, maximum=100_000),
     )
     r.done()
     health = _health(f)
@@ -467,7 +467,7 @@ def _health(f: Fields) -> HealthSettings:
     breaker = BreakerSettings(
         enabled=b.boolean("enabled", bd.enabled),
         window=b.duration("window", bd.window),
-        min_requests=b.integer("minRequests", bd.min_requests, minimum=1),
+        min_requests=b.integer("minRequests", bd.min_requests, minimum=1, maximum=1_000_000),
         failure_ratio=b.number("failureRatio", bd.failure_ratio, minimum=0, maximum=1, exclusive_minimum=True),
         open_duration=b.duration("openDuration", bd.open_duration),
         half_open_requests=b.integer("halfOpenRequests", bd.half_open_requests, minimum=1, maximum=100),
@@ -478,7 +478,7 @@ def _health(f: Fields) -> HealthSettings:
     slow_start = SlowStartSettings(
         enabled=s.boolean("enabled", sd.enabled),
         window=s.duration("window", sd.window),
-        aggression=s.number("aggression", sd.aggression, minimum=0, exclusive_minimum=True),
+        aggression=s.number("aggression", sd.aggression, minimum=0, maximum=100, exclusive_minimum=True),
         min_weight=s.number("minWeight", sd.min_weight, minimum=0, maximum=1, exclusive_minimum=True),
     )
     s.done()

@@ -422,6 +422,76 @@ def test_chart_ships_the_crd():
     assert CHART_CRD.read_bytes() == CRD.read_bytes(), f"{CHART_CRD.relative_to(ROOT)} differs from {CRD.relative_to(ROOT)}"
 
 
+# What a CRD's openAPIV3Schema node may hold (apiextensions.k8s.io/v1 JSONSchemaProps, as structural schemas use
+# it), what an x-kubernetes-validations rule and a printer column may hold. A description with an unquoted
+# comma inside a {flow mapping} splits into stray keys (issue #16): they show here, and in kubernetes-validate.
+SCHEMA_KEYS = {
+    "type", "format", "title", "description", "default", "nullable", "enum", "properties", "additionalProperties",
+    "items", "required", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
+    "maxLength", "pattern", "minItems", "maxItems", "uniqueItems", "minProperties", "maxProperties", "allOf",
+    "anyOf", "oneOf", "not", "example", "externalDocs", "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields", "x-kubernetes-embedded-resource", "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys", "x-kubernetes-map-type", "x-kubernetes-validations",
+}
+RULE_KEYS = {"rule", "message", "messageExpression", "reason", "fieldPath", "optionalOldSelf"}
+COLUMN_KEYS = {"name", "type", "format", "description", "priority", "jsonPath"}
+
+
+def _schema_problems(node: dict, path: str, *, bounded: bool) -> list[str]:
+    """Keys outside the vocabulary, descriptions that are not whole sentences (a lost tail ends mid-phrase),
+    and, where `bounded` (the spec, which the CEL rules read), strings, lists and maps without a size bound:
+    the API server estimates each rule's cost from those bounds and refuses a CRD whose rules could cost too
+    much."""
+    problems = [f"{path}: stray key {key!r}" for key in node if key not in SCHEMA_KEYS]
+    description = node.get("description")
+    if description is not None and not (isinstance(description, str) and description.rstrip().endswith(".")):
+        problems.append(f"{path}: description {description!r} is not a sentence ending in '.'")
+    for rule in node.get("x-kubernetes-validations", ()):
+        problems += [f"{path}: rule with stray key {key!r}" for key in rule if key not in RULE_KEYS]
+    if bounded:
+        kind = "string" if node.get("type") == "string" or node.get("x-kubernetes-int-or-string") else node.get("type")
+        if kind == "string" and "maxLength" not in node and "enum" not in node:
+            problems.append(f"{path}: a string without maxLength")
+        if kind == "array" and "maxItems" not in node:
+            problems.append(f"{path}: a list without maxItems")
+        if isinstance(node.get("additionalProperties"), dict) and "maxProperties" not in node:
+            problems.append(f"{path}: a map without maxProperties")
+    for key, sub in (node.get("properties") or {}).items():
+        problems += _schema_problems(sub, f"{path}.{key}", bounded=bounded)
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            problems += _schema_problems(node[key], f"{path}.{key}", bounded=bounded)
+    return problems
+
+
+def _rendered_crd(helm) -> dict:
+    """The CRD as `helm install` sends it: the chart's crds/ folder, rendered with --include-crds."""
+    docs = [d for d in yaml.safe_load_all(_template(helm, "--include-crds")) if d]
+    (crd,) = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    return crd
+
+
+@pytest.mark.parametrize("source", ["manifests/crd", "chart --include-crds"])
+def test_the_crd_is_a_valid_kubernetes_object(helm, source):
+    crd = yaml.safe_load(CRD.read_text()) if source == "manifests/crd" else _rendered_crd(helm)
+    for version in KUBE_VERSIONS:
+        try:
+            kubernetes_validate.validate(crd, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"the CRD ({source}) is invalid for Kubernetes {version}: {exc.message} at "
+                        f"{'.'.join(map(str, exc.path))}")
+    (version,) = crd["spec"]["versions"]
+    schema = version["schema"]["openAPIV3Schema"]
+    problems = _schema_problems(schema, "openAPIV3Schema", bounded=False)
+    problems += _schema_problems(schema["properties"]["spec"], "spec", bounded=True)
+    for column in version["additionalPrinterColumns"]:
+        problems += [f"column {column['name']}: stray key {key!r}" for key in column if key not in COLUMN_KEYS]
+        if not column.get("description", ".").endswith("."):
+            problems.append(f"column {column['name']}: description {column['description']!r} is cut short")
+    assert problems == []
+    assert crd == yaml.safe_load(CRD.read_text())  # the chart installs the same object as manifests/crd/
+
+
 def _without_source_comments(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if not line.startswith("# Source: ")).strip() + "\n"
 

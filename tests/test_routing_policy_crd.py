@@ -345,22 +345,23 @@ async def test_an_invalid_policy_is_rejected_and_the_previous_one_kept(
     kube.create("routingpolicies", policy("chat", models=[MODEL], strategy="least-connections"), namespace=NS)
     router = await start(make_router, kube, tmp_path, engines, identity="router-a")
     await until(router, lambda: condition(kube, "chat", "Ready").get("reason") == "Applied")
-    # Passes the schema (defaultClass names no class in `classes` because `classes` is left to the router's
-    # defaults), fails the router's own check.
-    status, _ = await patch(http, kube, "chat", {"spec": {"strategy": "round-robin",
-                                                          "admission": {"defaultClass": "urgent"}}})
+    # Passes the schema (it cannot see the preset's defaultClass, high, which the written classes lack), fails
+    # the router's own check of the expanded spec.
+    status, _ = await patch(http, kube, "chat", {"spec": {"strategy": "round-robin", "preset": "realtime-chat",
+                                                          "admission": {"classes": {"gold": {}}}}})
     assert status == 200
     await until(router, lambda: condition(kube, "chat", "Accepted").get("observedGeneration") == 2)
     accepted, ready = condition(kube, "chat", "Accepted"), condition(kube, "chat", "Ready")
     assert (accepted["status"], accepted["reason"]) == ("False", "Invalid")
-    assert accepted["message"].startswith("spec.admission.defaultClass: must be one of the classes (high, normal")
+    assert accepted["message"] == (
+        "spec (preset realtime-chat).admission.defaultClass: must be one of the classes (gold); got 'high'")
     assert (ready["status"], ready["reason"]) == ("False", "PreviousGenerationInEffect")
     assert router.ctx.balancer.policy_for(MODEL).strategy == "least-connections"  # generation 1 still routes
     assert await chat(http, router) == "vllm-0"
     registry = router.ctx.metrics.registry
     assert registry.get_sample_value("fleetroute_routing_policy_reloads_total", {"result": "rejected"}) == 1.0
 
-    await patch(http, kube, "chat", {"spec": {"admission": None}})  # fixed: generation 3 applies
+    await patch(http, kube, "chat", {"spec": {"preset": None, "admission": None}})  # fixed: generation 3 applies
     await until(router, lambda: condition(kube, "chat", "Ready").get("observedGeneration") == 3)
     assert router.ctx.balancer.policy_for(MODEL).strategy == "round-robin"
     assert condition(kube, "chat", "Accepted")["status"] == "True"

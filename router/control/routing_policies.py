@@ -5,7 +5,7 @@ the RoutingPolicies of one namespace, keep the list's resourceVersion, watch fro
 dropped watch from the last resourceVersion, relist on 410 Gone. During an API-server outage the policies in
 effect stay as they are (the last good set) and the failure is counted and logged once.
 
-**Conversion.** Each object's spec goes through the config file's policy parser (`settings._policy`), with
+**Conversion.** Each object's spec goes through the config file's policy parser (router.control.spec), with
 `name` set to the object's name and `priority` taken out: a RoutingPolicy spec is exactly one `policies:`
 entry, `preset` included (router/presets.py expands it inside the parser, so a preset-based spec and the
 same file entry give the same PolicySpec). A spec the parser refuses (it passed the CRD schema but not the
@@ -44,9 +44,10 @@ from prometheus_client import Counter, Gauge
 from router.app import sync_health_checks, sync_sticky_tables
 from router.context import RouterContext
 from router.control import KubernetesControlSettings
+from router.control.spec import policy_from_spec
 from router.discovery.kubernetes import _describe, _status_message, configure_client
 from router.progress import Progress
-from router.settings import ConfigError, PolicySpec, Settings, _policy
+from router.settings import ConfigError, PolicySpec, Settings
 
 log = logging.getLogger("fleetroute.control")
 
@@ -203,11 +204,8 @@ class RoutingPolicyController:
             if cached[1].generation != generation:  # (a status-only write never changes the generation)
                 self.outcomes[name] = replace(self.outcomes[name], generation=generation)
             return
-        priority = spec.pop("priority", 0)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            priority = 0
         try:
-            parsed = _policy("spec", {**spec, "name": name}, self._ctx.registry)
+            priority, parsed = policy_from_spec(name, spec, self._ctx.registry)
         except ConfigError as exc:
             previous = self.accepted.get(name)
             outcome = Outcome(generation, False, str(exc), previous[0] if previous else None)
