@@ -23,6 +23,7 @@ What is checked:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.util
 import io
@@ -179,7 +180,34 @@ def test_router_accepts_its_rendered_config(rendered, values):
     settings = parse_settings(raw)
     # Probes and Prometheus come from outside the pod: the admin listener must not be loopback-only.
     assert settings.admin.host == "0.0.0.0"
-    assert settings.discovery is not None
+    assert settings.discovery.kubernetes is not None
+    # RoutingPolicies are on by default (issue #16: the chart made them, but no router watched them).
+    control = settings.control.kubernetes if settings.control is not None else None
+    assert control is not None and control.namespace == NAMESPACE
+    assert control.lease_name == f"{RELEASE}-fleetroute-routing-policy-status"
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_the_charts_own_routing_policies_are_within_the_delegation(rendered, values):
+    from router.control.delegation import check, file_conflict
+    from router.control.spec import policy_from_spec
+    from router.policies.registry import PolicyRegistry
+    from tests.fake_crd import FakeCRD
+
+    settings = parse_settings(_router_config(rendered[values]))
+    assert settings.control is not None and settings.control.kubernetes is not None
+    control = settings.control.kubernetes
+    policies = [o for o in rendered[values] if o["kind"] == "RoutingPolicy"]
+    for obj in policies:
+        stored = json.loads(json.dumps(obj))
+        assert FakeCRD(CRD).admit(stored) == []  # as the API server stores it (models and priority defaulted)
+        priority, policy = policy_from_spec(obj["metadata"]["name"], stored["spec"], PolicyRegistry())
+        assert check(policy, priority, control) is None, obj["metadata"]["name"]
+        assert file_conflict(policy.name, {p.name for p in settings.policies}, control) is None
+    # Nothing else is delegated by default: a RoutingPolicy someone else creates routes no model.
+    expected = sorted({m for o in policies for m in o["spec"].get("models", ["*"])})
+    assert sorted(control.allowed_models) == expected
+    assert (values != "monitoring-values") or len(policies) == 2
 
 
 def test_router_deployment_probes_drain_and_hardening(rendered):
@@ -236,12 +264,14 @@ def test_worker_pools_match_discovery(rendered):
     objs = rendered["two-pools-values"]
     cfg = _router_config(objs)
     kube = cfg["discovery"]["kubernetes"]
-    selector = dict(part.split("=") for part in kube["labelSelector"].split(","))
     assert kube["namespace"] == NAMESPACE and kube["modelAnnotation"] == "fleetroute.io/models"
-    # EndpointSlices carry their Service's labels: the selector must pick exactly the worker Services.
-    services = [o for o in objs if o["kind"] == "Service"]
-    picked = {s["metadata"]["name"] for s in services if selector.items() <= s["metadata"]["labels"].items()}
-    assert picked == {f"{RELEASE}-fleetroute-llama-8b", f"{RELEASE}-fleetroute-llama-70b"}
+    # Discovery names the pool Services, and follows nothing else (issue #24 item 5: a label selector also
+    # followed any Service someone created with the workers' labels).
+    assert "labelSelector" not in kube
+    workers = {o["metadata"]["name"] for o in objs
+               if o["kind"] == "Service" and o["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"}
+    assert kube["services"] == [f"{RELEASE}-fleetroute-llama-8b", f"{RELEASE}-fleetroute-llama-70b"]
+    assert set(kube["services"]) == workers
     pools = yaml.safe_load((CHART / "ci" / "two-pools-values.yaml").read_text())["pools"]
     for pool in pools:
         name = f"{RELEASE}-fleetroute-{pool['name']}"
@@ -284,20 +314,129 @@ def test_worker_pools_match_discovery(rendered):
     assert (chat.preset, chat.strategy, chat.admission.max_concurrent_per_endpoint) == ("realtime-chat", "prefix-aware", 32)
 
 
+def _grants(role: dict) -> set[tuple[str, str, str, str | None]]:
+    """(apiGroup, resource, verb, name or None for any) for every rule of a Role."""
+    return {(group, resource, verb, name) for rule in role["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]
+            for name in (rule.get("resourceNames") or [None])}
+
+
 def test_rbac_is_least_privilege(rendered):
-    rules = _one(rendered["default"], "Role")["rules"]
-    got = {(g, r, tuple(rule["verbs"])) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
-    assert got == {
-        ("discovery.k8s.io", "endpointslices", ("get", "list", "watch")),
-        ("", "pods", ("get",)),
-        ("fleetroute.io", "routingpolicies", ("get", "list", "watch")),
-        ("fleetroute.io", "routingpolicies/status", ("patch",)),
-        ("coordination.k8s.io", "leases", ("get", "create", "update")),
+    lease = f"{RELEASE}-fleetroute-routing-policy-status"
+    assert _grants(_one(rendered["default"], "Role")) == {
+        ("discovery.k8s.io", "endpointslices", "list", None),
+        ("discovery.k8s.io", "endpointslices", "watch", None),
+        ("", "pods", "get", None),
+        ("fleetroute.io", "routingpolicies", "list", None),
+        ("fleetroute.io", "routingpolicies", "watch", None),
+        ("fleetroute.io", "routingpolicies/status", "patch", None),
+        # Issue #24 item 13: the Lease by name. Create cannot be limited by name in RBAC (the object does not
+        # exist when the request is authorized), hence its own rule.
+        ("coordination.k8s.io", "leases", "get", lease),
+        ("coordination.k8s.io", "leases", "update", lease),
+        ("coordination.k8s.io", "leases", "create", None),
     }
+    assert _router_config(rendered["default"])["control"]["kubernetes"]["leaseName"] == lease
     binding = _one(rendered["default"], "RoleBinding")
     sa = _one(rendered["default"], "ServiceAccount")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}]
     assert not [o for o in rendered["default"] if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+
+
+def _verb(r) -> tuple[str, str, str, str] | None:
+    """(apiGroup, resource, verb, name) of one request the fake API server recorded; None for discovery
+    documents (non-resource URLs every authenticated client may read)."""
+    parts = r.path.strip("/").split("/")
+    if parts[0] == "api" and len(parts) >= 3:
+        group, rest = "", parts[2:]
+    elif parts[0] == "apis" and len(parts) >= 4:
+        group, rest = parts[1], parts[3:]
+    else:
+        return None
+    if rest[0] == "namespaces" and len(rest) >= 3:
+        rest = rest[2:]
+    resource, name = rest[0] + ("/" + rest[2] if len(rest) == 3 else ""), rest[1] if len(rest) >= 2 else ""
+    verb = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(r.method)
+    if verb is None:
+        verb = "get" if name else ("watch" if r.watch else "list")
+    return group, resource, verb, name
+
+
+@pytest.fixture
+async def fake_kube():
+    """The fake API server with the CRD; requested before make_router, so it stops after the routers."""
+    from tests.fake_crd import FakeCRD
+    from tests.fake_kube import FakeKube
+
+    kube = FakeKube()
+    kube.crds["routingpolicies"] = FakeCRD(CRD)
+    await kube.start()
+    yield kube
+    await kube.stop()
+
+
+async def test_the_role_grants_exactly_what_the_routers_use(rendered, fake_kube, make_router, tmp_path):
+    """A router with the chart's config (discovery and RoutingPolicies) against the fake API server: every
+    request it makes is one the rendered Role allows, and every permission the Role grants is used."""
+    from tests.fake_kube import endpoint_slice, pod, slice_endpoint
+    from tests.test_routing_policy_crd import policy
+
+    objs = rendered["default"]
+    cfg = _router_config(objs)
+    grants = _grants(_one(objs, "Role"))
+    kube = fake_kube
+    service = cfg["discovery"]["kubernetes"]["services"][0]
+    kube.create("pods", pod("worker-0", annotations={"fleetroute.io/models": "m"}), namespace=NAMESPACE)
+    kube.create("endpointslices", endpoint_slice(f"{service}-abc", service=service, port=8000, endpoints=[
+        slice_endpoint("worker-0", namespace=NAMESPACE)]), namespace=NAMESPACE)
+    kube.create("routingpolicies", policy("chat", models=["*"]), namespace=NAMESPACE)
+    kubeconfig = str(kube.write_kubeconfig(tmp_path / "kubeconfig"))
+    timing = {"kubeconfig": kubeconfig, "initialBackoff": "10ms", "maxBackoff": "40ms"}
+    router = await make_router(
+        [], policies=cfg["policies"], discovery={"kubernetes": {**cfg["discovery"]["kubernetes"], **timing}},
+        control={"kubernetes": {**cfg["control"]["kubernetes"], **timing, "identity": "router-0",
+                                "leaseDuration": "1s"}})
+    control = router.ctx.control
+    assert control is not None
+    async with asyncio.timeout(10):
+        await control.wait_for(lambda: control.leader and "chat" in control.outcomes)
+        await kube.wait_for_request(lambda r: r.path.endswith("/routingpolicies/chat/status"))
+        await kube.wait_for_request(lambda r: r.method == "PUT" and "/leases/" in r.path)  # a renewal
+    assert {ep.id for ep in router.ctx.balancer.endpoints()} == {"worker-0"}  # its Pod was read
+    used = {v for r in kube.requests if (v := _verb(r)) is not None}
+    refused = {v for v in used if (v[0], v[1], v[2], v[3]) not in grants and (v[0], v[1], v[2], None) not in grants}
+    assert refused == set()
+    unused = {g for g in grants if not any(u[:3] == g[:3] and (g[3] is None or u[3] == g[3]) for u in used)}
+    assert unused == set()
+
+
+def test_routing_policies_can_be_switched_off(helm):
+    off = [d for d in yaml.safe_load_all(_template(helm, "--set", "routingPolicyControl.enabled=false")) if d]
+    assert "control" not in _router_config(off)
+    assert {(g, r) for g, r, _, _ in _grants(_one(off, "Role"))} == {
+        ("discovery.k8s.io", "endpointslices"), ("", "pods")}
+    notes = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
+                 "--set", "routingPolicyControl.enabled=false").stdout.split("NOTES:", 1)[1]
+    assert "kubectl get rp" not in notes and "RoutingPolicies are off" in notes
+    # RoutingPolicy objects no router would apply are an error, not a silent no-op (issue #16).
+    proc = helm("template", RELEASE, str(CHART), "-f", str(CHART / "ci" / "monitoring-values.yaml"),
+                "--set", "routingPolicyControl.enabled=false", check=False)
+    assert proc.returncode != 0
+    assert "routingPolicies are set, but routingPolicyControl.enabled is false" in proc.stderr
+    proc = helm("template", RELEASE, str(CHART), "-f", str(CHART / "ci" / "monitoring-values.yaml"),
+                "--set", "routingPolicyControl.maxPriority=-1,routingPolicies[0].spec.priority=5", check=False)
+    assert "routingPolicies[0] (chat): priority 5 is above routingPolicyControl.maxPriority (-1)" in proc.stderr
+
+
+def test_routing_policy_delegation_values_reach_the_router(helm):
+    objs = [d for d in yaml.safe_load_all(_template(
+        helm, "-f", str(CHART / "ci" / "monitoring-values.yaml"), "--set",
+        "routingPolicyControl.allowedModels={team-a-*,qwen2.5-1.5b-instruct},routingPolicyControl.maxPriority=50,"
+        "routingPolicyControl.overrideFilePolicies=true")) if d]
+    control = parse_settings(_router_config(objs)).control
+    assert control is not None and control.kubernetes is not None
+    assert control.kubernetes.allowed_models == ("team-a-*", "qwen2.5-1.5b-instruct", "qwen2.5-1.5b-batch")
+    assert (control.kubernetes.max_priority, control.kubernetes.override_file_policies) == (50, True)
 
 
 def test_redis_builtin_external_secret_or_off(rendered):
@@ -360,6 +499,9 @@ def test_hpa_ingress_and_monitoring(rendered):
         pytest.param(["--set", "router.policies[0].name=chat,router.policies[0].preset=chat"],
                      "at '/router/policies/0/preset': value must be one of 'realtime-chat', 'batch-generation', "
                      "'rag-search'", id="unknown-preset"),
+        pytest.param(["--set", "routingPolicyControl.maxPriority=2000"],
+                     "at '/routingPolicyControl/maxPriority': maximum: got 2,000, want 1,000", id="max-priority"),
+        pytest.param(["--set", "routingPolicyControl.allowedModel={a}"], "allowedModel", id="unknown-control-key"),
     ],
 )
 def test_bad_values_are_rejected_with_a_clear_message(helm, args, message):
