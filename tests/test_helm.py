@@ -590,6 +590,7 @@ def _schema_problems(node: dict, path: str, *, bounded: bool) -> list[str]:
         problems.append(f"{path}: description {description!r} is not a sentence ending in '.'")
     for rule in node.get("x-kubernetes-validations", ()):
         problems += [f"{path}: rule with stray key {key!r}" for key in rule if key not in RULE_KEYS]
+        problems += [f"{path}: {problem}" for problem in _costly(rule["rule"], node)]
     if bounded:
         kind = "string" if node.get("type") == "string" or node.get("x-kubernetes-int-or-string") else node.get("type")
         if kind == "string" and "maxLength" not in node and "enum" not in node:
@@ -603,6 +604,25 @@ def _schema_problems(node: dict, path: str, *, bounded: bool) -> list[str]:
     for key in ("items", "additionalProperties"):
         if isinstance(node.get(key), dict):
             problems += _schema_problems(node[key], f"{path}.{key}", bounded=bounded)
+    return problems
+
+
+def _costly(rule: str, node: dict) -> list[str]:
+    """Operations whose estimated cost the API server cannot bound, so that it refuses the CRD ("estimated rule
+    cost exceeds budget"): `string(...)` (its result has no size estimate), and a regular expression matched
+    against anything but a string with maxLength (an int-or-string field is typed dyn, sized like a whole
+    request, whatever its maxLength: apiextensions-apiserver's SchemaDeclType). cel-go costs endsWith by its
+    argument and `+` linearly, which is what the duration rules use instead."""
+    problems = [f"rule {rule!r} calls string()"] if re.search(r"\bstring\(", rule) else []
+    for receiver in re.findall(r"((?:self|\w+)(?:\.\w+)*)\.matches\(", rule):
+        target = node
+        parts = receiver.split(".")
+        if parts[0] != "self":
+            continue  # a comprehension's variable (a map key): bounded by the map's maxProperties
+        for part in parts[1:]:
+            target = (target.get("properties") or {}).get(part, {})
+        if target.get("type") != "string" or "maxLength" not in target:
+            problems.append(f"rule {rule!r} matches a regular expression against {receiver}, not a bounded string")
     return problems
 
 
