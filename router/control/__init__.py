@@ -77,7 +77,7 @@ def parse_control(top: Fields) -> ControlSettings | None:
 
 
 def _kubernetes(f: Fields) -> KubernetesControlSettings:
-    from router.settings import _label_selector_problem
+    from router.settings import _label_selector_problem, _show
 
     d = KubernetesControlSettings()
 
@@ -97,7 +97,7 @@ def _kubernetes(f: Fields) -> KubernetesControlSettings:
     if not isinstance(allowed, list) or len(allowed) > MAX_ALLOWED_MODELS \
             or not all(isinstance(m, str) and m.strip() for m in allowed):
         raise ConfigError(f.at("allowedModels"), f"must be a list of at most {MAX_ALLOWED_MODELS} model names or "
-                                                 f"patterns, got {allowed!r:.60}")
+                                                 f"patterns, got {_show(allowed)}")
     settings = KubernetesControlSettings(
         namespace=namespace,
         label_selector=selector,
