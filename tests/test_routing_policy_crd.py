@@ -663,3 +663,22 @@ async def test_kubectl_shows_a_takeover_refused(
                             "jsonpath={.status.conditions[?(@.type==\"Accepted\")].message}")
     assert rc == 0 and "control.kubernetes.allowedModels is empty: no model is delegated" in out, out
     assert await chat(http, router) == "vllm-0"
+
+
+async def test_without_the_crd_the_router_says_so_and_routes_with_its_file_policies(
+    kube: FakeKube, make_engine: MakeEngine, make_router: MakeRouter, http: aiohttp.ClientSession, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`helm install --skip-crds` with RoutingPolicies left on: the list gets 404, and the warning says why."""
+    import tests.fake_kube
+
+    monkeypatch.setattr(tests.fake_kube, "RESOURCES",
+                        tuple(r for r in tests.fake_kube.RESOURCES if r.plural != "routingpolicies"))
+    engines = [await make_engine("vllm-0")]
+    router = await start(make_router, kube, tmp_path, engines, identity="router-a", syncTimeout="100ms")
+    registry = router.ctx.metrics.registry
+    await until(router, lambda: (registry.get_sample_value("fleetroute_routing_policy_errors_total",
+                                                           {"kind": "list"}) or 0) >= 1)
+    assert registry.get_sample_value("fleetroute_routing_policy_up") == 0.0
+    assert any("404: is the RoutingPolicy CRD installed?" in r.getMessage() for r in caplog.records)
+    assert await chat(http, router) == "vllm-0"  # the file's policies route
