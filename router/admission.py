@@ -162,7 +162,7 @@ def parse_admission(f: Fields) -> AdmissionSettings:
                                                         "(null unsets it)")
     rate = defaults.aging_tokens_per_second
     if f.get("agingTokensPerSecond") is not None:
-        rate = f.number("agingTokensPerSecond", rate, minimum=0, exclusive_minimum=True)
+        rate = f.number("agingTokensPerSecond", rate, minimum=0, maximum=1e9, exclusive_minimum=True)
     f.done()
     return AdmissionSettings(
         max_queue=max_queue,

@@ -17,8 +17,10 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
   endpoints:                                   static discovery
     - {id: gpu-0, url: http://10.0.0.5:8000, models: [llama-3-8b], weight: 1}
                                                weight: relative capacity (H100 beside A100: ~1.8)
-  discovery: {kubernetes: {service: vllm, port: http}}   or labelSelector; pods join the static endpoints
-                                               (EndpointSlice watch; models, RBAC: docs/kubernetes.md)
+  discovery: {kubernetes: {services: [vllm-a, vllm-b], port: http}}
+                                               only the named Services' pods join the static endpoints
+                                               (EndpointSlice watch; labelSelector: the older form, which
+                                               any Service with the labels joins; docs/kubernetes.md)
   policies:                                    first policy whose models match a request's model wins;
     - name: chat                               others use the built-in "default" (adaptive, all defaults)
       models: ["*"]                            names or shell-style patterns
@@ -84,6 +86,13 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
                                                kept for /admin/decisions. Ask on one request with
                                                x-fleetroute-explain: <admin token> (or 1 with an explain
                                                key): the answer carries x-fleetroute-explanation
+  control: {kubernetes: {namespace: inference, allowedModels: [], maxPriority: 1000,
+                        overrideFilePolicies: false}}
+                                               RoutingPolicy resources applied live, but only within
+                                               what is delegated: models inside allowedModels (none by
+                                               default), priority <= maxPriority, and the file's
+                                               policies matched first unless overrideFilePolicies;
+                                               others are refused in their status (docs/kubernetes.md)
   workers: 1                                   processes sharing the ports (use one per core)
   shutdownGrace: 30s                           time for in-flight requests on SIGTERM
 

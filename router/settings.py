@@ -124,13 +124,18 @@ class RedisSettings:
 
 @dataclass(frozen=True)
 class KubernetesDiscoverySettings:
-    """`discovery.kubernetes`: watch the EndpointSlices of one Service (or label selector) in one namespace.
+    """`discovery.kubernetes`: watch the EndpointSlices of the named Services (or of a label selector) in one
+    namespace.
 
     Read by router.discovery.kubernetes, which documents the behaviour; docs/kubernetes.md is the reference.
     """
 
-    service: str | None = None  # the Service whose slices to watch (label kubernetes.io/service-name)
-    label_selector: str | None = None  # or any EndpointSlice label selector
+    # The Services whose slices to watch (label kubernetes.io/service-name): only what the config names. Written
+    # as `services: [a, b]`, or `service: a` for one.
+    services: tuple[str, ...] = ()
+    # Or any EndpointSlice label selector (the older form): it follows every slice that carries the labels, so
+    # whoever may create a Service with them in the namespace adds upstreams (docs/kubernetes.md#trust-model).
+    label_selector: str | None = None
     namespace: str | None = None  # None: the pod's own (in-cluster), the kubeconfig context's, or "default"
     port: str | int | None = None  # a port name, or a number; None: each slice's first port
     scheme: str = "http"
@@ -369,7 +374,7 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     retries = Retries(
         attempts=r.integer("attempts", Retries.attempts, minimum=1, maximum=10),
         budget_percent=r.number("budgetPercent", Retries.budget_percent, minimum=0, maximum=100),
-        min_per_second=r.number("minRetriesPerSecond", Retries.min_per_second, minimum=0),
+        min_per_second=r.number("minRetriesPerSecond", Retries.min_per_second, minimum=0, maximum=100_000),
     )
     r.done()
     health = _health(f)
@@ -467,7 +472,7 @@ def _health(f: Fields) -> HealthSettings:
     breaker = BreakerSettings(
         enabled=b.boolean("enabled", bd.enabled),
         window=b.duration("window", bd.window),
-        min_requests=b.integer("minRequests", bd.min_requests, minimum=1),
+        min_requests=b.integer("minRequests", bd.min_requests, minimum=1, maximum=1_000_000),
         failure_ratio=b.number("failureRatio", bd.failure_ratio, minimum=0, maximum=1, exclusive_minimum=True),
         open_duration=b.duration("openDuration", bd.open_duration),
         half_open_requests=b.integer("halfOpenRequests", bd.half_open_requests, minimum=1, maximum=100),
@@ -478,7 +483,7 @@ def _health(f: Fields) -> HealthSettings:
     slow_start = SlowStartSettings(
         enabled=s.boolean("enabled", sd.enabled),
         window=s.duration("window", sd.window),
-        aggression=s.number("aggression", sd.aggression, minimum=0, exclusive_minimum=True),
+        aggression=s.number("aggression", sd.aggression, minimum=0, maximum=100, exclusive_minimum=True),
         min_weight=s.number("minWeight", sd.min_weight, minimum=0, maximum=1, exclusive_minimum=True),
     )
     s.done()
@@ -576,19 +581,17 @@ def _optional_key(f: Fields, key: str, default: str | None) -> str | None:
 def _kubernetes_discovery(f: Fields) -> KubernetesDiscoverySettings:
     d = KubernetesDiscoverySettings()
     # A misspelt key is reported as such, before the checks below would complain about what it meant to set.
-    f.used.update(("service", "labelSelector", "namespace", "port", "scheme", "modelAnnotation", "modelLabel",
-                   "weightLabel",
+    f.used.update(("service", "services", "labelSelector", "namespace", "port", "scheme", "modelAnnotation",
+                   "modelLabel", "weightLabel",
                    "models", "kubeconfig", "context", "syncTimeout", "watchTimeout", "initialBackoff", "maxBackoff"))
     f.done()
-    service = f.string("service") if f.get("service") is not None else None
-    if service is not None and not _DNS_1035.match(service):
-        raise ConfigError(f.at("service"), f"must be a Service name (a lower-case DNS label), got {service!r}")
+    services = _services(f)
     selector = f.string("labelSelector") if f.get("labelSelector") is not None else None
-    if service is not None and selector is not None:
-        raise ConfigError(f.at("labelSelector"), "set either service or labelSelector, not both")
-    if service is None and selector is None:
-        raise ConfigError(f.at("service"), "is required (or labelSelector): the Service whose EndpointSlices "
-                                           "to watch")
+    if services and selector is not None:
+        raise ConfigError(f.at("labelSelector"), "set either services or labelSelector, not both")
+    if not services and selector is None:
+        raise ConfigError(f.at("services"), "is required (or labelSelector): the Services whose EndpointSlices "
+                                            "to watch")
     if selector is not None and (problem := _label_selector_problem(selector)):
         raise ConfigError(f.at("labelSelector"), problem)
     namespace = f.string("namespace") if f.get("namespace") is not None else None
@@ -612,7 +615,7 @@ def _kubernetes_discovery(f: Fields) -> KubernetesDiscoverySettings:
     kubeconfig = f.string("kubeconfig") if f.get("kubeconfig") is not None else None
     context = f.string("context") if f.get("context") is not None else None
     settings = KubernetesDiscoverySettings(
-        service=service,
+        services=services,
         label_selector=selector,
         namespace=namespace,
         port=port,
@@ -634,6 +637,25 @@ def _kubernetes_discovery(f: Fields) -> KubernetesDiscoverySettings:
         raise ConfigError(f.at("maxBackoff"), "must be >= initialBackoff")
     f.done()
     return settings
+
+
+MAX_SERVICES = 64  # one label selector lists them all: keep it well inside the API server's URL limits
+
+
+def _services(f: Fields) -> tuple[str, ...]:
+    """`services: [a, b]`, or `service: a`; () when neither is set."""
+    if f.get("service") is not None and f.get("services") is not None:
+        raise ConfigError(f.at("services"), "set either service or services, not both")
+    if f.get("service") is not None:
+        names, where = [f.string("service")], f.at("service")
+    else:
+        names, where = f.get("services") or [], f.at("services")
+        if not isinstance(names, list) or len(names) > MAX_SERVICES:
+            raise ConfigError(where, f"must be a list of at most {MAX_SERVICES} Service names, got {_show(names)}")
+    for name in names:
+        if not isinstance(name, str) or not _DNS_1035.match(name):
+            raise ConfigError(where, f"must be a Service name (a lower-case DNS label), got {_show(name)}")
+    return tuple(dict.fromkeys(names))
 
 
 def _discovery(top: Fields) -> DiscoverySettings:

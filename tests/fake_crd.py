@@ -111,6 +111,15 @@ class FakeCRD:
             for key, sub in (schema.get("properties") or {}).items():
                 if key in value and value[key] is not None:
                     errors += self._cel(sub, value[key], f"{path}.{key}".lstrip("."))
+            extra = schema.get("additionalProperties")
+            if isinstance(extra, dict):  # a map's values (admission.classes.<name>)
+                for key, sub_value in value.items():
+                    if sub_value is not None:
+                        errors += self._cel(extra, sub_value, f"{path}[{key}]")
+        elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+            for i, item in enumerate(value):
+                if item is not None:
+                    errors += self._cel(schema["items"], item, f"{path}[{i}]")
         return errors
 
     # ---- kubectl get -----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ What is checked:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import importlib.util
@@ -170,10 +171,40 @@ def test_router_accepts_its_rendered_config(rendered, values, tmp_path, monkeypa
     settings = _parse_as_the_router_pod(rendered[values], tmp_path, monkeypatch)
     # Probes and Prometheus come from outside the pod: the admin listener must not be loopback-only.
     assert settings.admin.host == "0.0.0.0"
-    assert settings.discovery is not None
+    assert settings.discovery is not None and settings.discovery.kubernetes is not None
     # Closed by default: /admin needs the token, the OpenAI API a client key, unless the values say otherwise.
     assert settings.auth is not None and settings.auth.admin_token_digest is not None
     assert settings.auth.client_keys == _values(values)["router"]["apiKeys"]["enabled"]
+    # RoutingPolicies are on by default (issue #16: the chart made them, but no router watched them).
+    control = settings.control.kubernetes if settings.control is not None else None
+    assert control is not None and control.namespace == NAMESPACE
+    assert control.lease_name == f"{RELEASE}-fleetroute-routing-policy-status"
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_the_charts_own_routing_policies_are_within_the_delegation(rendered, values, tmp_path, monkeypatch):
+    from router.control.delegation import check, file_conflict
+    from router.control.spec import policy_from_spec
+    from router.policies.registry import PolicyRegistry
+    from tests.fake_crd import FakeCRD
+
+    settings = _parse_as_the_router_pod(rendered[values], tmp_path, monkeypatch)
+    assert settings.control is not None and settings.control.kubernetes is not None
+    control = settings.control.kubernetes
+    policies = [o for o in rendered[values] if o["kind"] == "RoutingPolicy"]
+    for obj in policies:
+        stored = json.loads(json.dumps(obj))
+        assert FakeCRD(CRD).admit(stored) == []  # as the API server stores it (models and priority defaulted)
+        priority, policy = policy_from_spec(obj["metadata"]["name"], stored["spec"], PolicyRegistry())
+        assert check(policy, priority, control) is None, obj["metadata"]["name"]
+        assert file_conflict(policy.name, {p.name for p in settings.policies}, control) is None
+    # Nothing else is delegated by default than the pools' own models and the chart's RoutingPolicies': a
+    # RoutingPolicy someone else creates for another model (or "*") routes nothing.
+    pools = _values(values)["pools"]
+    expected = {m for p in pools for m in p["servedModelNames"]} | {
+        m for o in policies for m in o["spec"].get("models", ["*"])}
+    assert sorted(control.allowed_models) == sorted(expected)
+    assert (values != "monitoring-values") or len(policies) == 2
 
 
 def test_router_deployment_probes_drain_and_hardening(rendered):
@@ -232,12 +263,14 @@ def test_worker_pools_match_discovery(rendered, tmp_path, monkeypatch):
     cfg = _router_config(objs)
     (router,) = _one(objs, "Deployment", f"{RELEASE}-fleetroute")["spec"]["template"]["spec"]["containers"]
     kube = cfg["discovery"]["kubernetes"]
-    selector = dict(part.split("=") for part in kube["labelSelector"].split(","))
     assert kube["namespace"] == NAMESPACE and kube["modelAnnotation"] == "fleetroute.io/models"
-    # EndpointSlices carry their Service's labels: the selector must pick exactly the worker Services.
-    services = [o for o in objs if o["kind"] == "Service"]
-    picked = {s["metadata"]["name"] for s in services if selector.items() <= s["metadata"]["labels"].items()}
-    assert picked == {f"{RELEASE}-fleetroute-llama-8b", f"{RELEASE}-fleetroute-llama-70b"}
+    # Discovery names the pool Services, and follows nothing else (issue #24 item 5: a label selector also
+    # followed any Service someone created with the workers' labels).
+    assert "labelSelector" not in kube
+    workers = {o["metadata"]["name"] for o in objs
+               if o["kind"] == "Service" and o["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"}
+    assert kube["services"] == [f"{RELEASE}-fleetroute-llama-8b", f"{RELEASE}-fleetroute-llama-70b"]
+    assert set(kube["services"]) == workers
     pools = yaml.safe_load((CHART / "ci" / "two-pools-values.yaml").read_text())["pools"]
     for pool in pools:
         name = f"{RELEASE}-fleetroute-{pool['name']}"
@@ -282,20 +315,130 @@ def test_worker_pools_match_discovery(rendered, tmp_path, monkeypatch):
     assert (chat.preset, chat.strategy, chat.admission.max_concurrent_per_endpoint) == ("realtime-chat", "prefix-aware", 32)
 
 
+def _grants(role: dict) -> set[tuple[str, str, str, str | None]]:
+    """(apiGroup, resource, verb, name or None for any) for every rule of a Role."""
+    return {(group, resource, verb, name) for rule in role["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]
+            for name in (rule.get("resourceNames") or [None])}
+
+
 def test_rbac_is_least_privilege(rendered):
-    rules = _one(rendered["default"], "Role")["rules"]
-    got = {(g, r, tuple(rule["verbs"])) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
-    assert got == {
-        ("discovery.k8s.io", "endpointslices", ("get", "list", "watch")),
-        ("", "pods", ("get",)),
-        ("fleetroute.io", "routingpolicies", ("get", "list", "watch")),
-        ("fleetroute.io", "routingpolicies/status", ("patch",)),
-        ("coordination.k8s.io", "leases", ("get", "create", "update")),
+    lease = f"{RELEASE}-fleetroute-routing-policy-status"
+    assert _grants(_one(rendered["default"], "Role")) == {
+        ("discovery.k8s.io", "endpointslices", "list", None),
+        ("discovery.k8s.io", "endpointslices", "watch", None),
+        ("", "pods", "get", None),
+        ("fleetroute.io", "routingpolicies", "list", None),
+        ("fleetroute.io", "routingpolicies", "watch", None),
+        ("fleetroute.io", "routingpolicies/status", "patch", None),
+        # Issue #24 item 13: the Lease by name. Create cannot be limited by name in RBAC (the object does not
+        # exist when the request is authorized), hence its own rule.
+        ("coordination.k8s.io", "leases", "get", lease),
+        ("coordination.k8s.io", "leases", "update", lease),
+        ("coordination.k8s.io", "leases", "create", None),
     }
+    assert _router_config(rendered["default"])["control"]["kubernetes"]["leaseName"] == lease
     binding = _one(rendered["default"], "RoleBinding")
     sa = _one(rendered["default"], "ServiceAccount")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}]
     assert not [o for o in rendered["default"] if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+
+
+def _verb(r) -> tuple[str, str, str, str] | None:
+    """(apiGroup, resource, verb, name) of one request the fake API server recorded; None for discovery
+    documents (non-resource URLs every authenticated client may read)."""
+    parts = r.path.strip("/").split("/")
+    if parts[0] == "api" and len(parts) >= 3:
+        group, rest = "", parts[2:]
+    elif parts[0] == "apis" and len(parts) >= 4:
+        group, rest = parts[1], parts[3:]
+    else:
+        return None
+    if rest[0] == "namespaces" and len(rest) >= 3:
+        rest = rest[2:]
+    resource, name = rest[0] + ("/" + rest[2] if len(rest) == 3 else ""), rest[1] if len(rest) >= 2 else ""
+    verb = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(r.method)
+    if verb is None:
+        verb = "get" if name else ("watch" if r.watch else "list")
+    return group, resource, verb, name
+
+
+@pytest.fixture
+async def fake_kube():
+    """The fake API server with the CRD; requested before make_router, so it stops after the routers."""
+    from tests.fake_crd import FakeCRD
+    from tests.fake_kube import FakeKube
+
+    kube = FakeKube()
+    kube.crds["routingpolicies"] = FakeCRD(CRD)
+    await kube.start()
+    yield kube
+    await kube.stop()
+
+
+async def test_the_role_grants_exactly_what_the_routers_use(rendered, fake_kube, make_router, tmp_path):
+    """A router with the chart's config (discovery and RoutingPolicies) against the fake API server: every
+    request it makes is one the rendered Role allows, and every permission the Role grants is used."""
+    from tests.fake_kube import endpoint_slice, pod, slice_endpoint
+    from tests.test_routing_policy_crd import policy
+
+    objs = rendered["default"]
+    cfg = _router_config(objs)
+    grants = _grants(_one(objs, "Role"))
+    kube = fake_kube
+    service = cfg["discovery"]["kubernetes"]["services"][0]
+    kube.create("pods", pod("worker-0", annotations={"fleetroute.io/models": "m"}), namespace=NAMESPACE)
+    kube.create("endpointslices", endpoint_slice(f"{service}-abc", service=service, port=8000, endpoints=[
+        slice_endpoint("worker-0", namespace=NAMESPACE)]), namespace=NAMESPACE)
+    kube.create("routingpolicies", policy("chat", models=["*"]), namespace=NAMESPACE)
+    kubeconfig = str(kube.write_kubeconfig(tmp_path / "kubeconfig"))
+    timing = {"kubeconfig": kubeconfig, "initialBackoff": "10ms", "maxBackoff": "40ms"}
+    router = await make_router(
+        [], policies=cfg["policies"], discovery={"kubernetes": {**cfg["discovery"]["kubernetes"], **timing}},
+        control={"kubernetes": {**cfg["control"]["kubernetes"], **timing, "identity": "router-0",
+                                "leaseDuration": "1s"}})
+    control = router.ctx.control
+    assert control is not None
+    async with asyncio.timeout(10):
+        await control.wait_for(lambda: control.leader and "chat" in control.outcomes)
+        await kube.wait_for_request(lambda r: r.path.endswith("/routingpolicies/chat/status"))
+        await kube.wait_for_request(lambda r: r.method == "PUT" and "/leases/" in r.path)  # a renewal
+    assert {ep.id for ep in router.ctx.balancer.endpoints()} == {"worker-0"}  # its Pod was read
+    used = {v for r in kube.requests if (v := _verb(r)) is not None}
+    refused = {v for v in used if (v[0], v[1], v[2], v[3]) not in grants and (v[0], v[1], v[2], None) not in grants}
+    assert refused == set()
+    unused = {g for g in grants if not any(u[:3] == g[:3] and (g[3] is None or u[3] == g[3]) for u in used)}
+    assert unused == set()
+
+
+def test_routing_policies_can_be_switched_off(helm):
+    off = [d for d in yaml.safe_load_all(_template(helm, "--set", "routingPolicyControl.enabled=false")) if d]
+    assert "control" not in _router_config(off)
+    assert {(g, r) for g, r, _, _ in _grants(_one(off, "Role"))} == {
+        ("discovery.k8s.io", "endpointslices"), ("", "pods")}
+    notes = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
+                 "--set", "routingPolicyControl.enabled=false").stdout.split("NOTES:", 1)[1]
+    assert "kubectl get rp" not in notes and "RoutingPolicies are off" in notes
+    # RoutingPolicy objects no router would apply are an error, not a silent no-op (issue #16).
+    proc = helm("template", RELEASE, str(CHART), "-f", str(CHART / "ci" / "monitoring-values.yaml"),
+                "--set", "routingPolicyControl.enabled=false", check=False)
+    assert proc.returncode != 0
+    assert "routingPolicies are set, but routingPolicyControl.enabled is false" in proc.stderr
+    proc = helm("template", RELEASE, str(CHART), "-f", str(CHART / "ci" / "monitoring-values.yaml"),
+                "--set", "routingPolicyControl.maxPriority=-1,routingPolicies[0].spec.priority=5", check=False)
+    assert "routingPolicies[0] (chat): priority 5 is above routingPolicyControl.maxPriority (-1)" in proc.stderr
+
+
+def test_routing_policy_delegation_values_reach_the_router(helm, tmp_path, monkeypatch):
+    objs = [d for d in yaml.safe_load_all(_template(
+        helm, "-f", str(CHART / "ci" / "monitoring-values.yaml"), "--set",
+        "routingPolicyControl.allowedModels={team-a-*,qwen2.5-1.5b-instruct},routingPolicyControl.maxPriority=50,"
+        "routingPolicyControl.overrideFilePolicies=true")) if d]
+    control = _parse_as_the_router_pod(objs, tmp_path, monkeypatch).control
+    assert control is not None and control.kubernetes is not None
+    # The pools' models first (delegatePoolModels), then allowedModels, then the chart's RoutingPolicies', once each.
+    assert control.kubernetes.allowed_models == ("qwen2.5-1.5b-instruct", "team-a-*", "qwen2.5-1.5b-batch")
+    assert (control.kubernetes.max_priority, control.kubernetes.override_file_policies) == (50, True)
 
 
 def test_redis_builtin_external_secret_or_off(rendered):
@@ -369,6 +512,9 @@ def test_hpa_ingress_and_monitoring(rendered):
         pytest.param(["--set", "router.policies[0].name=chat,router.policies[0].preset=chat"],
                      "at '/router/policies/0/preset': value must be one of 'realtime-chat', 'batch-generation', "
                      "'rag-search'", id="unknown-preset"),
+        pytest.param(["--set", "routingPolicyControl.maxPriority=2000"],
+                     "at '/routingPolicyControl/maxPriority': maximum: got 2,000, want 1,000", id="max-priority"),
+        pytest.param(["--set", "routingPolicyControl.allowedModel={a}"], "allowedModel", id="unknown-control-key"),
     ],
 )
 def test_bad_values_are_rejected_with_a_clear_message(helm, args, message):
@@ -429,6 +575,96 @@ def test_chart_ships_the_crd():
                     f"copy it to {CHART_CRD.relative_to(ROOT)} once it does")
     assert CHART_CRD.exists(), f"copy {CRD.relative_to(ROOT)} to {CHART_CRD.relative_to(ROOT)}"
     assert CHART_CRD.read_bytes() == CRD.read_bytes(), f"{CHART_CRD.relative_to(ROOT)} differs from {CRD.relative_to(ROOT)}"
+
+
+# What a CRD's openAPIV3Schema node may hold (apiextensions.k8s.io/v1 JSONSchemaProps, as structural schemas use
+# it), what an x-kubernetes-validations rule and a printer column may hold. A description with an unquoted
+# comma inside a {flow mapping} splits into stray keys (issue #16): they show here, and in kubernetes-validate.
+SCHEMA_KEYS = {
+    "type", "format", "title", "description", "default", "nullable", "enum", "properties", "additionalProperties",
+    "items", "required", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
+    "maxLength", "pattern", "minItems", "maxItems", "uniqueItems", "minProperties", "maxProperties", "allOf",
+    "anyOf", "oneOf", "not", "example", "externalDocs", "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields", "x-kubernetes-embedded-resource", "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys", "x-kubernetes-map-type", "x-kubernetes-validations",
+}
+RULE_KEYS = {"rule", "message", "messageExpression", "reason", "fieldPath", "optionalOldSelf"}
+COLUMN_KEYS = {"name", "type", "format", "description", "priority", "jsonPath"}
+
+
+def _schema_problems(node: dict, path: str, *, bounded: bool) -> list[str]:
+    """Keys outside the vocabulary, descriptions that are not whole sentences (a lost tail ends mid-phrase),
+    and, where `bounded` (the spec, which the CEL rules read), strings, lists and maps without a size bound:
+    the API server estimates each rule's cost from those bounds and refuses a CRD whose rules could cost too
+    much."""
+    problems = [f"{path}: stray key {key!r}" for key in node if key not in SCHEMA_KEYS]
+    description = node.get("description")
+    if description is not None and not (isinstance(description, str) and description.rstrip().endswith(".")):
+        problems.append(f"{path}: description {description!r} is not a sentence ending in '.'")
+    for rule in node.get("x-kubernetes-validations", ()):
+        problems += [f"{path}: rule with stray key {key!r}" for key in rule if key not in RULE_KEYS]
+        problems += [f"{path}: {problem}" for problem in _costly(rule["rule"], node)]
+    if bounded:
+        kind = "string" if node.get("type") == "string" or node.get("x-kubernetes-int-or-string") else node.get("type")
+        if kind == "string" and "maxLength" not in node and "enum" not in node:
+            problems.append(f"{path}: a string without maxLength")
+        if kind == "array" and "maxItems" not in node:
+            problems.append(f"{path}: a list without maxItems")
+        if isinstance(node.get("additionalProperties"), dict) and "maxProperties" not in node:
+            problems.append(f"{path}: a map without maxProperties")
+    for key, sub in (node.get("properties") or {}).items():
+        problems += _schema_problems(sub, f"{path}.{key}", bounded=bounded)
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            problems += _schema_problems(node[key], f"{path}.{key}", bounded=bounded)
+    return problems
+
+
+def _costly(rule: str, node: dict) -> list[str]:
+    """Operations whose estimated cost the API server cannot bound, so that it refuses the CRD ("estimated rule
+    cost exceeds budget"): `string(...)` (its result has no size estimate), and a regular expression matched
+    against anything but a string with maxLength (an int-or-string field is typed dyn, sized like a whole
+    request, whatever its maxLength: apiextensions-apiserver's SchemaDeclType). cel-go costs endsWith by its
+    argument and `+` linearly, which is what the duration rules use instead."""
+    problems = [f"rule {rule!r} calls string()"] if re.search(r"\bstring\(", rule) else []
+    for receiver in re.findall(r"((?:self|\w+)(?:\.\w+)*)\.matches\(", rule):
+        target = node
+        parts = receiver.split(".")
+        if parts[0] != "self":
+            continue  # a comprehension's variable (a map key): bounded by the map's maxProperties
+        for part in parts[1:]:
+            target = (target.get("properties") or {}).get(part, {})
+        if target.get("type") != "string" or "maxLength" not in target:
+            problems.append(f"rule {rule!r} matches a regular expression against {receiver}, not a bounded string")
+    return problems
+
+
+def _rendered_crd(helm) -> dict:
+    """The CRD as `helm install` sends it: the chart's crds/ folder, rendered with --include-crds."""
+    docs = [d for d in yaml.safe_load_all(_template(helm, "--include-crds")) if d]
+    (crd,) = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    return crd
+
+
+@pytest.mark.parametrize("source", ["manifests/crd", "chart --include-crds"])
+def test_the_crd_is_a_valid_kubernetes_object(helm, source):
+    crd = yaml.safe_load(CRD.read_text()) if source == "manifests/crd" else _rendered_crd(helm)
+    for version in KUBE_VERSIONS:
+        try:
+            kubernetes_validate.validate(crd, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"the CRD ({source}) is invalid for Kubernetes {version}: {exc.message} at "
+                        f"{'.'.join(map(str, exc.path))}")
+    (version,) = crd["spec"]["versions"]
+    schema = version["schema"]["openAPIV3Schema"]
+    problems = _schema_problems(schema, "openAPIV3Schema", bounded=False)
+    problems += _schema_problems(schema["properties"]["spec"], "spec", bounded=True)
+    for column in version["additionalPrinterColumns"]:
+        problems += [f"column {column['name']}: stray key {key!r}" for key in column if key not in COLUMN_KEYS]
+        if not column.get("description", ".").endswith("."):
+            problems.append(f"column {column['name']}: description {column['description']!r} is cut short")
+    assert problems == []
+    assert crd == yaml.safe_load(CRD.read_text())  # the chart installs the same object as manifests/crd/
 
 
 def _without_source_comments(text: str) -> str:

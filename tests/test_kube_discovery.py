@@ -393,9 +393,9 @@ async def test_endpoint_weights_come_from_the_services_weight_label(
 @pytest.mark.parametrize(
     ("kubernetes", "message"),
     [
-        ({}, "discovery.kubernetes.service: is required (or labelSelector)"),
+        ({}, "discovery.kubernetes.services: is required (or labelSelector)"),
         ({"service": "vllm", "labelSelector": "app=vllm"},
-         "discovery.kubernetes.labelSelector: set either service or labelSelector, not both"),
+         "discovery.kubernetes.labelSelector: set either services or labelSelector, not both"),
         ({"servce": "vllm"}, "discovery.kubernetes.servce: unknown field (expected one of:"),
         ({"service": "vLLM_0"}, "discovery.kubernetes.service: must be a Service name"),
         ({"labelSelector": "app=vllm,tier in (a"}, "discovery.kubernetes.labelSelector: has an invalid requirement"),
@@ -412,6 +412,13 @@ async def test_endpoint_weights_come_from_the_services_weight_label(
         ({"service": "vllm", "initialBackoff": "2s", "maxBackoff": "1s"},
          "discovery.kubernetes.maxBackoff: must be >= initialBackoff"),
         ({"service": "vllm", "kubeconfig": ""}, "discovery.kubernetes.kubeconfig: must be a non-empty string"),
+        ({"services": []}, "discovery.kubernetes.services: is required (or labelSelector)"),
+        ({"services": "vllm"}, "discovery.kubernetes.services: must be a list of at most 64 Service names"),
+        ({"services": [f"s{i}" for i in range(65)]}, "discovery.kubernetes.services: must be a list of at most 64"),
+        ({"services": ["vllm", "Bad_Name"]}, "discovery.kubernetes.services: must be a Service name"),
+        ({"services": ["vllm"], "service": "vllm"}, "discovery.kubernetes.services: set either service or services"),
+        ({"services": ["vllm"], "labelSelector": "app=vllm"},
+         "discovery.kubernetes.labelSelector: set either services or labelSelector, not both"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -419,6 +426,34 @@ def test_bad_discovery_config_is_rejected_naming_the_field(kubernetes: dict[str,
     with pytest.raises(ConfigError) as info:
         parse_settings({"discovery": {"kubernetes": kubernetes}})
     assert str(info.value).startswith(message)
+
+
+async def test_discovery_follows_only_the_services_the_config_names(
+    kube: FakeKube, make_engine: MakeEngine, make_router: MakeRouter, http: aiohttp.ClientSession, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue #24 item 5: with a label selector, whoever may create a Service carrying the workers' labels adds an
+    upstream (its EndpointSlices copy the labels). Named Services are followed, and nothing else."""
+    small, big = await make_engine("vllm-small"), await make_engine("vllm-big")
+    intruder = await make_engine("intruder", models=(MODEL,))
+    worker = {"app.kubernetes.io/instance": "t", "app.kubernetes.io/component": "worker"}
+    add_pod(kube, small, service="t-fleetroute-small", slice_labels=worker)
+    add_pod(kube, big, service="t-fleetroute-big", slice_labels=worker)
+    add_pod(kube, intruder, service="not-ours", slice_labels=worker)  # the same labels, another Service
+    named = await start(make_router, kube, tmp_path, service=..., services=["t-fleetroute-small", "t-fleetroute-big"])
+    assert named.ctx.discovery is not None
+    assert named.ctx.discovery.selector == "kubernetes.io/service-name in (t-fleetroute-small,t-fleetroute-big)"
+    await until(named, lambda: set(states(named)) == {"vllm-small", "vllm-big"})
+    assert {await chat(http, named) for _ in range(4)} == {"vllm-small", "vllm-big"}
+    add_pod(kube, await make_engine("vllm-small-2"), service="t-fleetroute-small", slice_labels=worker)
+    await until(named, lambda: set(states(named)) == {"vllm-small", "vllm-big", "vllm-small-2"})  # still live
+    assert not [r for r in caplog.records if "labelSelector" in r.getMessage()]
+
+    selected = await start(make_router, kube, tmp_path, service=...,
+                           labelSelector="app.kubernetes.io/instance=t,app.kubernetes.io/component=worker")
+    await until(selected, lambda: "intruder" in states(selected))  # the older form follows the intruder too
+    assert any(r.levelno == logging.WARNING and "whoever may create a Service" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_discovery_config_defaults_and_unknown_sources() -> None:

@@ -102,7 +102,7 @@ def test_no_candidates_gives_none(strategy: str) -> None:
         ("adaptive", {"weights": {"gpuu": 1}}, "weights.gpuu", "unknown weight"),
         ("adaptive", {"weights": {"gpu": 0, "memory": 0, "queue": 0}}, "weights", "positive"),
         ("adaptive", {"weights": {"gpu": -1}}, "weights.gpu", ">= 0"),
-        ("adaptive", {"maxQueue": 0}, "maxQueue", ">= 1"),
+        ("adaptive", {"maxQueue": 0}, "maxQueue", "between 1 and 1000000"),
         ("adaptive", {"maxQueue": 2.5}, "maxQueue", "integer"),
         ("adaptive", {"choices": True}, "choices", "integer"),
         ("adaptive", {"signals": {"memory": "num_waiting"}}, "signals.memory", "must be one of gpu_util, gpu_mem_util, kv_cache_usage"),

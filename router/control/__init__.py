@@ -2,10 +2,12 @@
 
 - `kubernetes` (router.control.routing_policies): `RoutingPolicy` custom resources (`fleetroute.io/v1alpha1`),
   listed and watched through the Kubernetes API, merged with the file's `policies:`, with status written by
-  the one replica that holds a Lease.
+  the one replica that holds a Lease. A RoutingPolicy governs only what the config delegates to it
+  (`allowedModels`, `maxPriority`, `overrideFilePolicies`: router.control.delegation).
 
 Configured under `control: {kubernetes: {...}}` (parsed here, without importing the Kubernetes client: the
-router imports it only when the block is present). docs/kubernetes.md is the reference.
+router imports it only when the block is present). docs/kubernetes.md is the reference, its "Trust model"
+section the why of the delegation.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from router.settings import ConfigError
 
 if TYPE_CHECKING:
     from router.settings import Fields
+
+MAX_PRIORITY = 1000  # the CRD's bounds of spec.priority
+MIN_PRIORITY = -1000
+MAX_ALLOWED_MODELS = 256
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -37,6 +43,11 @@ class KubernetesControlSettings:
     lease_duration: float = 15.0  # a holder that has not renewed for this long is replaced
     identity: str | None = None  # the Lease holder name; None: $POD_NAME or $HOSTNAME, plus a random suffix
     status: bool = True  # false: never write status (no Lease, no status RBAC)
+    # What RoutingPolicy authors may do (router.control.delegation). The defaults delegate nothing: whoever may
+    # create RoutingPolicies in the namespace routes no model until the operator says which.
+    allowed_models: tuple[str, ...] = ()  # model names or patterns a RoutingPolicy's `models` must stay inside
+    max_priority: int = MAX_PRIORITY  # the highest spec.priority accepted
+    override_file_policies: bool = False  # false: the file's policies match first, and keep their names
     sync_timeout: float = 10.0
     watch_timeout: float = 300.0
     initial_backoff: float = 0.5
@@ -66,7 +77,7 @@ def parse_control(top: Fields) -> ControlSettings | None:
 
 
 def _kubernetes(f: Fields) -> KubernetesControlSettings:
-    from router.settings import _label_selector_problem
+    from router.settings import _label_selector_problem, _show
 
     d = KubernetesControlSettings()
 
@@ -82,6 +93,11 @@ def _kubernetes(f: Fields) -> KubernetesControlSettings:
     lease_name = f.string("leaseName", d.lease_name)
     if len(lease_name) > 253 or not _DNS_SUBDOMAIN.match(lease_name):
         raise ConfigError(f.at("leaseName"), f"must be a Kubernetes object name, got {lease_name!r}")
+    allowed = f.get("allowedModels", [])
+    if not isinstance(allowed, list) or len(allowed) > MAX_ALLOWED_MODELS \
+            or not all(isinstance(m, str) and m.strip() for m in allowed):
+        raise ConfigError(f.at("allowedModels"), f"must be a list of at most {MAX_ALLOWED_MODELS} model names or "
+                                                 f"patterns, got {_show(allowed)}")
     settings = KubernetesControlSettings(
         namespace=namespace,
         label_selector=selector,
@@ -95,6 +111,9 @@ def _kubernetes(f: Fields) -> KubernetesControlSettings:
         watch_timeout=f.duration("watchTimeout", d.watch_timeout),
         initial_backoff=f.duration("initialBackoff", d.initial_backoff),
         max_backoff=f.duration("maxBackoff", d.max_backoff),
+        allowed_models=tuple(dict.fromkeys(m.strip() for m in allowed)),
+        max_priority=f.integer("maxPriority", d.max_priority, minimum=MIN_PRIORITY, maximum=MAX_PRIORITY),
+        override_file_policies=f.boolean("overrideFilePolicies", d.override_file_policies),
     )
     if settings.lease_duration < 1:
         raise ConfigError(f.at("leaseDuration"), "must be at least 1s (Leases count whole seconds)")

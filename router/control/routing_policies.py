@@ -5,21 +5,31 @@ the RoutingPolicies of one namespace, keep the list's resourceVersion, watch fro
 dropped watch from the last resourceVersion, relist on 410 Gone. During an API-server outage the policies in
 effect stay as they are (the last good set) and the failure is counted and logged once.
 
-**Conversion.** Each object's spec goes through the config file's policy parser (`settings._policy`), with
+**Conversion.** Each object's spec goes through the config file's policy parser (router.control.spec), with
 `name` set to the object's name and `priority` taken out: a RoutingPolicy spec is exactly one `policies:`
 entry, `preset` included (router/presets.py expands it inside the parser, so a preset-based spec and the
 same file entry give the same PolicySpec). A spec the parser refuses (it passed the CRD schema but not the
-router's checks) is not applied: the previous good version of that policy stays in effect, or none if there
-never was one.
+router's checks: a preset's values the API server could not see) is not applied: the previous good version
+of that policy stays in effect, or none if there never was one.
 
-**Merge.** The effective policy list is the accepted RoutingPolicies, higher `spec.priority` first and equal
-priorities in name order, then the file's `policies:` in file order, minus any file policy a RoutingPolicy of
-the same name overrides. The first policy whose `models` match routes a request. A config reload (SIGHUP)
-replaces the file's part and keeps the RoutingPolicies.
+**Delegation.** A parsed spec is then checked against what `control.kubernetes` delegates
+(router.control.delegation): its models inside `allowedModels`, its priority at most `maxPriority`, and,
+unless `overrideFilePolicies`, a name no file policy has. One that goes beyond is refused like an invalid
+one (the previous good version stays), with its own reason. The name check depends on the file, so it is
+made again on every config reload: a RoutingPolicy whose name the file takes is out of effect until the
+file lets the name go.
+
+**Merge.** With `overrideFilePolicies: false` (the default) the effective policy list is the file's
+`policies:` in file order, then the accepted RoutingPolicies, higher `spec.priority` first and equal
+priorities in name order: a model a file policy matches stays the file's. With `overrideFilePolicies: true`
+the RoutingPolicies come first, and replace any file policy of the same name. The first policy whose
+`models` match routes a request. A config reload (SIGHUP) replaces the file's part and keeps the
+RoutingPolicies.
 
 **Status.** Every replica computes the same outcome, but only the one holding the Lease `leaseName` writes
 it, through the status subresource (a merge patch): `observedGeneration` and two conditions, `Accepted`
-(reasons `Accepted`, `Invalid`) and `Ready` (`Applied`, `PreviousGenerationInEffect`, `NotInEffect`). The
+(reasons `Accepted`, `Invalid`, and the delegation's `ModelsNotDelegated`, `PriorityNotDelegated`,
+`FilePolicyConflict`) and `Ready` (`Applied`, `PreviousGenerationInEffect`, `NotInEffect`). The
 Lease follows client-go's leader election: a replica takes a Lease that is free or whose record has not
 changed for `leaseDuration` (timed on its own clock), renews it every third of that, and frees it on
 shutdown; a resourceVersion conflict means another replica won.
@@ -44,14 +54,17 @@ from prometheus_client import Counter, Gauge
 from router.app import sync_health_checks, sync_sticky_tables
 from router.context import RouterContext
 from router.control import KubernetesControlSettings
+from router.control.delegation import REASONS, Refusal, check, file_conflict
+from router.control.spec import policy_from_spec
 from router.discovery.kubernetes import _describe, _status_message, configure_client
 from router.progress import Progress
-from router.settings import ConfigError, PolicySpec, Settings, _policy
+from router.settings import ConfigError, PolicySpec, Settings
 
 log = logging.getLogger("fleetroute.control")
 
 GROUP, VERSION, PLURAL = "fleetroute.io", "v1alpha1", "routingpolicies"
 REQUEST_TIMEOUT = 30.0
+INVALID = "Invalid"  # the Accepted condition's reason for a spec the router's parser refuses
 
 
 class Expired(Exception):
@@ -66,6 +79,7 @@ class Outcome:
     accepted: bool
     message: str
     in_effect: int | None  # the generation routing now (this one, an earlier one, or none)
+    reason: str = "Accepted"  # the Accepted condition's reason: Accepted, Invalid, or a delegation refusal
 
 
 def _now() -> str:
@@ -78,7 +92,7 @@ def _conditions(outcome: Outcome) -> list[dict[str, Any]]:
         accepted = ("True", "Accepted", "the router accepted this spec")
         ready = ("True", "Applied", "routing with this generation")
     else:
-        accepted = ("False", "Invalid", outcome.message)
+        accepted = ("False", outcome.reason, outcome.message)
         if outcome.in_effect is not None:
             ready = ("False", "PreviousGenerationInEffect",
                      f"generation {outcome.in_effect} keeps routing until this spec is fixed")
@@ -116,6 +130,14 @@ class RoutingPolicyController:
         self._reloads = Counter("fleetroute_routing_policy_reloads", "RoutingPolicy generations the router "
                                 "applied or rejected (invalid: the previous good version kept)", ["result"],
                                 registry=r)
+        self._refusals = Counter("fleetroute_routing_policy_refusals", "RoutingPolicy generations the router did "
+                                 "not apply, by the reason in their Accepted condition: Invalid (the router's "
+                                 "parser refused the spec), ModelsNotDelegated, PriorityNotDelegated, "
+                                 "FilePolicyConflict (beyond what control.kubernetes delegates)", ["reason"],
+                                 registry=r)
+        for reason in (INVALID, *REASONS):
+            self._refusals.labels(reason)
+        self._conflicts: set[str] = set()  # names whose file policy keeps them out of effect (logged once)
         self._errors = Counter("fleetroute_routing_policy_errors", "Failed Kubernetes API requests of the "
                                "RoutingPolicy watch and status writer, by kind (list, watch, lease, status)",
                                ["kind"], registry=r)
@@ -128,6 +150,7 @@ class RoutingPolicyController:
     # ---- lifecycle ----------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        s = self.settings
         configuration = client.Configuration()
         loader = await self._load_config(configuration)
         self._api = client.ApiClient(configuration)
@@ -138,7 +161,13 @@ class RoutingPolicyController:
         if loader is not None:
             self._tasks.append(asyncio.create_task(config.refresh_token(loader, configuration),
                                                    name="control-kubernetes-token"))
-        log.info("watching RoutingPolicies", extra={"namespace": self.namespace, "identity": self.identity})
+        log.info("watching RoutingPolicies", extra={
+            "namespace": self.namespace, "identity": self.identity, "allowed_models": list(s.allowed_models),
+            "max_priority": s.max_priority, "override_file_policies": s.override_file_policies})
+        if not s.allowed_models:
+            log.warning("control.kubernetes.allowedModels is empty: RoutingPolicies are watched, but none is "
+                        "applied (each is refused with ModelsNotDelegated)")
+        self._warn_if_shadowed(self.base)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -169,14 +198,57 @@ class RoutingPolicyController:
     # ---- merge and apply ----------------------------------------------------------------------------
 
     def effective(self, base: tuple[PolicySpec, ...]) -> tuple[PolicySpec, ...]:
-        ordered = sorted(self.accepted.items(), key=lambda item: (-item[1][1], item[0]))
+        names = {spec.name for spec in base}
+        ordered = sorted(((name, value) for name, value in self.accepted.items()
+                          if file_conflict(name, names, self.settings) is None),
+                         key=lambda item: (-item[1][1], item[0]))
         live = tuple(spec for _, (_, _, spec) in ordered)
+        if not self.settings.override_file_policies:
+            return base + live
         return live + tuple(spec for spec in base if spec.name not in self.accepted)
 
     def rebase(self, new: Settings) -> Settings:
-        """A config reload: its policies are the new base; the RoutingPolicies stay merged on top."""
+        """A config reload: its policies are the new base; the RoutingPolicies stay merged with them, and the
+        names the file now takes (or gives up) are judged again."""
         self.base = new.policies
+        self._warn_if_shadowed(new.policies)
+        self._note_conflicts()
+        self._status_dirty.set()
         return replace(new, policies=self.effective(new.policies))
+
+    def outcome(self, name: str) -> Outcome:
+        """The outcome of `name`'s latest generation, with the file's claim on its name as it stands now."""
+        outcome = self.outcomes[name]
+        refusal = file_conflict(name, {spec.name for spec in self.base}, self.settings)
+        if refusal is None:
+            return outcome
+        return Outcome(outcome.generation, False, refusal.message, None, refusal.reason)
+
+    def _note_conflicts(self) -> None:
+        """Log and count each RoutingPolicy that a file policy's name keeps out of effect, once per conflict."""
+        names = {spec.name for spec in self.base}
+        now = {name for name in self.outcomes if file_conflict(name, names, self.settings) is not None}
+        for name in sorted(now - self._conflicts):
+            refusal = file_conflict(name, names, self.settings)
+            assert refusal is not None
+            self._refused(name, self.outcomes[name].generation, refusal)
+        for name in sorted(self._conflicts - now):
+            log.info("RoutingPolicy no longer conflicts with a file policy", extra={"policy": name})
+        self._conflicts = now
+
+    def _warn_if_shadowed(self, base: tuple[PolicySpec, ...]) -> None:
+        if self.settings.override_file_policies:
+            return
+        for spec in base:
+            if "*" in spec.models:
+                log.warning("a file policy matches every model and is matched before RoutingPolicies, which "
+                            "therefore route nothing (control.kubernetes.overrideFilePolicies: true puts them "
+                            "first)", extra={"policy": spec.name})
+
+    def _refused(self, name: str, generation: int, refusal: Refusal) -> None:
+        self._refusals.labels(refusal.reason).inc()
+        log.warning("RoutingPolicy refused: beyond what control.kubernetes delegates", extra={
+            "policy": name, "generation": generation, "reason": refusal.reason, "error": refusal.message})
 
     def _apply(self) -> None:
         ctx = self._ctx
@@ -203,36 +275,44 @@ class RoutingPolicyController:
             if cached[1].generation != generation:  # (a status-only write never changes the generation)
                 self.outcomes[name] = replace(self.outcomes[name], generation=generation)
             return
-        priority = spec.pop("priority", 0)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            priority = 0
+        previous = self.accepted.get(name)
+        in_effect = previous[0] if previous else None
         try:
-            parsed = _policy("spec", {**spec, "name": name}, self._ctx.registry)
+            priority, parsed = policy_from_spec(name, spec, self._ctx.registry)
         except ConfigError as exc:
-            previous = self.accepted.get(name)
-            outcome = Outcome(generation, False, str(exc), previous[0] if previous else None)
+            outcome = Outcome(generation, False, str(exc), in_effect, INVALID)
             self._reloads.labels("rejected").inc()
+            self._refusals.labels(INVALID).inc()
             log.warning("RoutingPolicy rejected; the previous good version stays in effect" if previous else
                         "RoutingPolicy rejected", extra={"policy": name, "generation": generation,
                                                          "error": str(exc)})
         else:
-            self.accepted[name] = (generation, priority, parsed)
-            outcome = Outcome(generation, True, "", generation)
-            self._reloads.labels("applied").inc()
-            log.info("RoutingPolicy accepted", extra={"policy": name, "generation": generation,
-                                                      "strategy": parsed.strategy, "preset": parsed.preset,
-                                                      "models": list(parsed.models)})
+            refusal = check(parsed, priority, self.settings)
+            if refusal is not None:
+                outcome = Outcome(generation, False, refusal.message, in_effect, refusal.reason)
+                self._reloads.labels("rejected").inc()
+                self._refused(name, generation, refusal)
+            else:
+                self.accepted[name] = (generation, priority, parsed)
+                outcome = Outcome(generation, True, "", generation)
+                self._reloads.labels("applied").inc()
+                log.info("RoutingPolicy accepted", extra={"policy": name, "generation": generation,
+                                                          "strategy": parsed.strategy, "preset": parsed.preset,
+                                                          "models": list(parsed.models)})
         self._parsed[name] = (text, outcome)
         self.outcomes[name] = outcome
+        self._conflicts.discard(name)  # a new generation: a conflict with the file is logged and counted again
 
     def _forget(self, name: str) -> None:
         self.objects.pop(name, None)
         self.outcomes.pop(name, None)
         self._parsed.pop(name, None)
+        self._conflicts.discard(name)
         if self.accepted.pop(name, None) is not None:
             log.info("RoutingPolicy deleted", extra={"policy": name})
 
     def _changed(self) -> None:
+        self._note_conflicts()
         self._apply()
         self._status_dirty.set()
         self._notify()
@@ -323,7 +403,10 @@ class RoutingPolicyController:
         self._up.set(0)
         if self._down_since is None:
             self._down_since = asyncio.get_running_loop().time()
-            log.warning("kubernetes API request failed; keeping the routing policies in effect and retrying",
+            hint = "" if not (isinstance(exc, ApiException) and exc.status == 404) else (
+                " (404: is the RoutingPolicy CRD installed? Install manifests/crd/, or turn RoutingPolicies off: "
+                "no control.kubernetes block, in the chart routingPolicyControl.enabled: false)")
+            log.warning("kubernetes API request failed; keeping the routing policies in effect and retrying" + hint,
                         extra={"kind": kind, "error": _describe(exc)})
         self._notify()
 
@@ -439,7 +522,8 @@ class RoutingPolicyController:
     async def _write_statuses(self) -> None:
         assert self._api is not None
         api = client.CustomObjectsApi(self._api)
-        for name, outcome in list(self.outcomes.items()):
+        for name in list(self.outcomes):
+            outcome = self.outcome(name)
             obj = self.objects.get(name)
             if obj is None:
                 continue

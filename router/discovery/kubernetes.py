@@ -1,9 +1,9 @@
-"""Endpoints from the Kubernetes API: the EndpointSlices of a Service, listed once and then watched.
+"""Endpoints from the Kubernetes API: the EndpointSlices of the named Services, listed once and then watched.
 
 The loop is client-go's Reflector, written out on the official `kubernetes` client's asyncio API
 (`kubernetes.aio`, on aiohttp, no threads; 37.0 is the first release whose asyncio API has `watch`):
 
-1. **List** the EndpointSlices that match the selector (`kubernetes.io/service-name=<service>`, or the
+1. **List** the EndpointSlices that match the selector (`kubernetes.io/service-name in (<services>)`, or the
    configured `labelSelector`) in one namespace, keep the list's `resourceVersion`, and replace the known
    slices in one step. They are never cleared first, so a relist cannot make endpoints flap.
 2. **Watch** from that resourceVersion with `allowWatchBookmarks=true`. ADDED, MODIFIED and DELETED events
@@ -53,6 +53,12 @@ into endpoints and calls `Balancer.set_endpoints` once for however many events a
 that arrived in one read never yields in between), and not at all when nothing routable changed (Finagle's
 collapsed updates; `fleetroute_discovery_updates_total` counts the calls). The static `endpoints:` of the
 config are always in the set; a discovered endpoint with a static endpoint's id is ignored, with a warning.
+
+**Trust.** Discovery follows only the Services the config names (`services`: the API server filters on the
+`kubernetes.io/service-name` label, which the EndpointSlice controller sets from the owning Service), so
+whoever may create Services or EndpointSlices in the namespace cannot add an upstream unless they can change
+those Services. A `labelSelector` (the older form, still read) follows any slice that carries its labels,
+and a Service is enough to make one: start-up logs a warning saying so (docs/kubernetes.md#trust-model).
 
 **Configuration.** With `kubeconfig` unset the router uses the in-cluster service account when it runs in a
 pod (`KUBERNETES_SERVICE_HOST` is set), else `$KUBECONFIG` or `~/.kube/config`. The namespace, when not
@@ -110,6 +116,15 @@ class SliceEndpoint:
     @property
     def pod_key(self) -> str | None:
         return self.pod_uid or self.pod
+
+
+def service_selector(services: Sequence[str]) -> str:
+    """The label selector of the named Services' EndpointSlices: the EndpointSlice controller labels each slice
+    `kubernetes.io/service-name=<its Service>` (discovery.k8s.io/v1), so a set-based requirement lists them
+    all in one list and one watch, filtered by the API server."""
+    if len(services) == 1:
+        return f"{SERVICE_NAME_LABEL}={services[0]}"
+    return f"{SERVICE_NAME_LABEL} in ({','.join(services)})"
 
 
 def parse_models(text: str | None) -> tuple[str, ...]:
@@ -216,7 +231,7 @@ class KubernetesDiscovery:
         self._metrics = metrics
         self._rng = rng or random.Random()
         self.namespace = settings.namespace or "default"  # resolved by start()
-        self.selector = settings.label_selector or f"{SERVICE_NAME_LABEL}={settings.service}"
+        self.selector = settings.label_selector or service_selector(settings.services)
         self.resource_version: str | None = None
         self._slices: dict[str, list[SliceEndpoint]] = {}
         self._pod_models: dict[str, tuple[str, ...]] = {}  # pod uid (or name) -> its annotation's models
@@ -253,6 +268,10 @@ class KubernetesDiscovery:
                                                    name="discovery-kubernetes-token"))
         log.info("kubernetes discovery started",
                  extra={"namespace": self.namespace, "selector": self.selector, "api": configuration.host})
+        if self.settings.label_selector is not None:
+            log.warning("discovery follows every EndpointSlice matching labelSelector: whoever may create a Service "
+                        "with these labels in the namespace adds upstreams; name the Services instead "
+                        "(discovery.kubernetes.services)", extra={"selector": self.selector})
 
     async def close(self) -> None:
         if self._pod_retry is not None:

@@ -49,7 +49,7 @@ from router.policies.base import (
     reject_unknown,
     whole_number,
 )
-from router.policies.composite import PICKS, CompositeConfig, CompositePicker, Scorer, parse_choices
+from router.policies.composite import MAX_QUEUE, PICKS, CompositeConfig, CompositePicker, Scorer, parse_choices
 
 DEFAULT_WEIGHTS = {"gpu": 0.6, "memory": 0.3, "queue": 0.1}
 # Which telemetry signal feeds each term. "memory" is the KV cache, not GPU memory: vLLM pre-allocates
@@ -121,7 +121,7 @@ class AdaptivePolicy:
             gpu_weight=w["gpu"] / total,
             memory_weight=w["memory"] / total,
             queue_weight=w["queue"] / total,
-            max_queue=whole_number(params.get("maxQueue", 32), "maxQueue", minimum=1),
+            max_queue=whole_number(params.get("maxQueue", 32), "maxQueue", minimum=1, maximum=MAX_QUEUE),
             choices=parse_choices(params.get("choices", 2)),
             gpu_signal=chosen["gpu"],
             memory_signal=chosen["memory"],

@@ -72,6 +72,10 @@ from router.policies.scorers import clamp, free_fraction, neutral_fill, queue_fr
 TELEMETRY_SCORERS = {"gpu": "gpu_util", "memory": "kv_cache_usage", "queue": "num_waiting"}  # default signals
 SCORERS = (*TELEMETRY_SCORERS, "load", "prefix")
 PICKS = ("least-load", "best-score")
+# Bounds of sanity, the same as the RoutingPolicy CRD's: a larger sample is "all", a larger queue bound no
+# engine reaches.
+MAX_CHOICES = 4096
+MAX_QUEUE = 1_000_000
 MIN_SCORE = 0.01  # least-load divides by the score: an endpoint with no headroom left is costly, not infinite
 
 
@@ -239,8 +243,8 @@ class CompositePicker:
 def parse_choices(value: Any) -> int | None:
     if value == "all":
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PolicyConfigError("choices", f"must be an integer >= 1 or all, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
+        raise PolicyConfigError("choices", f"must be an integer from 1 to {MAX_CHOICES} or all, got {value!r}")
     return value
 
 
@@ -268,7 +272,7 @@ def parse_scorers(raw: Any) -> tuple[Scorer, ...]:
             allowed = COUNT_SIGNALS if name == "queue" else FRACTION_SIGNALS
             if signal not in allowed:
                 raise PolicyConfigError(f"{where}.signal", f"must be one of {', '.join(allowed)}, got {signal!r}")
-        max_queue = whole_number(body.get("maxQueue", 32), f"{where}.maxQueue", minimum=1) or 32
+        max_queue = whole_number(body.get("maxQueue", 32), f"{where}.maxQueue", minimum=1, maximum=MAX_QUEUE) or 32
         parsed.append((name, float(weight), signal, max_queue))
     total = sum(w for _, w, _, _ in parsed)
     if total <= 0:

@@ -227,26 +227,74 @@ seccompProfile:
   type: RuntimeDefault
 {{- end -}}
 
+{{/* The Lease that elects the one router replica that writes RoutingPolicy status (one per release). */}}
+{{- define "fleetroute.routingPolicyLease" -}}
+{{- printf "%s-routing-policy-status" (include "fleetroute.fullname" .) -}}
+{{- end -}}
+
 {{/*
-The router's YAML config. Discovery watches the EndpointSlices of every worker Service of this release (one
-labelSelector covers all pools) and reads each pod's models from the fleetroute.io/models annotation.
+The models delegated to RoutingPolicies: the pools' servedModelNames (routingPolicyControl.delegatePoolModels),
+routingPolicyControl.allowedModels, and the models of the chart's own routingPolicies (the CRD's default, "*",
+where one names none), so that what the chart creates is applied.
+*/}}
+{{- define "fleetroute.delegatedModels" -}}
+{{- $models := list -}}
+{{- if .Values.routingPolicyControl.delegatePoolModels -}}
+{{- range .Values.pools -}}
+{{- range .servedModelNames -}}
+{{- $models = append $models . -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range .Values.routingPolicyControl.allowedModels -}}
+{{- $models = append $models . -}}
+{{- end -}}
+{{- range .Values.routingPolicies -}}
+{{- range (default (list "*") .spec.models) -}}
+{{- $models = append $models . -}}
+{{- end -}}
+{{- end -}}
+{{- toJson (uniq $models) -}}
+{{- end -}}
+
+{{/*
+The router's YAML config. Discovery watches the EndpointSlices of this release's pool Services, named one by one
+(docs/kubernetes.md#trust-model: a Service someone else creates with the workers' labels is not followed), and
+reads each pod's models from the fleetroute.io/models annotation. With routingPolicyControl.enabled the routers
+watch the release namespace's RoutingPolicies, within the delegation the values give.
 */}}
 {{- define "fleetroute.routerConfig" -}}
+{{- $services := list -}}
+{{- range .Values.pools -}}
+{{- $services = append $services (include "fleetroute.workerName" (dict "root" $ "pool" .)) -}}
+{{- end -}}
 {{- $cfg := dict
   "listen" (dict "host" "0.0.0.0" "port" (int .Values.router.containerPorts.http))
   "admin" (dict "host" "0.0.0.0" "port" (int .Values.router.containerPorts.admin) "tokenEnv" "FLEETROUTE_ADMIN_TOKEN")
   "workers" (int .Values.router.workers)
   "shutdownGrace" (printf "%ds" (int .Values.router.shutdownGraceSeconds))
   "logging" (dict "level" .Values.router.logLevel "accessLog" .Values.router.accessLog)
-  "discovery" (dict "kubernetes" (dict
-      "labelSelector" (printf "app.kubernetes.io/instance=%s,app.kubernetes.io/component=worker" .Release.Name)
-      "namespace" .Release.Namespace
-      "port" "http"
-      "modelAnnotation" "fleetroute.io/models"))
   "policies" .Values.router.policies
 -}}
 {{- if .Values.router.apiKeys.enabled -}}
 {{- $_ := set $cfg "auth" (dict "apiKeysFile" (include "fleetroute.apiKeysFile" .)) -}}
+{{- end -}}
+{{- if $services -}}
+{{- $_ := set $cfg "discovery" (dict "kubernetes" (dict
+      "services" $services
+      "namespace" .Release.Namespace
+      "port" "http"
+      "modelAnnotation" "fleetroute.io/models")) -}}
+{{- end -}}
+{{- with .Values.routingPolicyControl -}}
+{{- if .enabled -}}
+{{- $_ := set $cfg "control" (dict "kubernetes" (dict
+      "namespace" $.Release.Namespace
+      "leaseName" (include "fleetroute.routingPolicyLease" $)
+      "allowedModels" (include "fleetroute.delegatedModels" $ | fromJsonArray)
+      "maxPriority" (int .maxPriority)
+      "overrideFilePolicies" .overrideFilePolicies)) -}}
+{{- end -}}
 {{- end -}}
 {{- $url := include "fleetroute.redisUrl" . -}}
 {{- if $url -}}
