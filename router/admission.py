@@ -330,6 +330,11 @@ class Admission:
         for pool in list(self._busy):
             pool.dispatch()
 
+    def forget_endpoints(self, gone: frozenset[str]) -> None:
+        """Endpoints left: each pool's cached candidates are recomputed (they may name them) at next use."""
+        for pool in self._pools.values():
+            pool.forget_endpoints(gone)
+
     def sweep(self) -> None:
         """Shed every queued request whose deadline has passed (the pools' timers call this per pool)."""
         for pool in list(self._busy):
@@ -378,6 +383,10 @@ class Pool:
             self._ids = tuple(v.id for v in balancer.candidates(self.model))
             self._version = version
         return self._ids
+
+    def forget_endpoints(self, gone: frozenset[str]) -> None:
+        if not gone.isdisjoint(self._ids):
+            self._ids, self._version = (), -1
 
     def _has_room(self, ids: tuple[str, ...]) -> bool:
         """More free slots across the pool than requests already promised one."""

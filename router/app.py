@@ -109,7 +109,8 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
             store = memory
             collection = EmbeddedCollection(session=session, store=memory, settings=telemetry, metrics=ctx.metrics)
             before_refresh = lambda: collection.collect(ctx.balancer.endpoints())  # noqa: E731
-        feed = TelemetryFeed(store=store, balancer=ctx.balancer, metrics=ctx.metrics)
+            ctx.telemetry_collection = collection
+        feed = ctx.telemetry_feed = TelemetryFeed(store=store, balancer=ctx.balancer, metrics=ctx.metrics)
         tasks.append(asyncio.create_task(
             run_feed(feed, interval=telemetry.interval, wake=wake, before_refresh=before_refresh,
                      on_round=ctx.telemetry_round_done, metrics=ctx.metrics),
@@ -126,6 +127,7 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        ctx.telemetry_feed = ctx.telemetry_collection = None
         if redis_store is not None:
             await redis_store.close()
         await session.close()
@@ -332,11 +334,13 @@ async def _housekeeping(ctx: RouterContext, shared: SharedLoads | None) -> None:
             current: set[tuple[str, str]] = set()
             for name, table in ctx.sticky.items():
                 for endpoint, count in table.sweep().items():
-                    ctx.metrics.sticky_sessions.labels(name, endpoint).set(count)
-                    current.add((name, endpoint))
+                    if ctx.balancer.is_member(endpoint):  # a pin read back from Redis may name one that left
+                        ctx.metrics.sticky_sessions.labels(name, endpoint).set(count)
+                        current.add((name, endpoint))
             for gone in pinned_series - current:
                 ctx.metrics.sticky_sessions.remove(*gone)
             pinned_series = current
+        ctx.housekeeping_round_done()
         await asyncio.sleep(ctx.settings.telemetry.interval)
 
 

@@ -8,6 +8,9 @@ each model's policy to build a new picker and swaps the references. `pick` only 
 awaits and never rebuilds on the request path.
 
 State that must outlive a rebuild (round-robin cursor, hash ring) is kept per (policy, model) pool.
+
+Endpoints that leave are handed to `departures` (router/departures.py), which has every owner of
+per-endpoint state forget them, this balancer included (`forget_endpoints`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from router.departures import Departures
 from router.health.gpu import GpuHealth
 from router.health.pool import PoolHealth
 from router.loads import LoadTracker
@@ -75,6 +79,10 @@ class Balancer:
         self._models: frozenset[str] = frozenset()
         self._rebuild_scheduled = False
         self.on_rebuild: Callable[[], None] | None = None  # after each swap (admission re-checks capacity)
+        # Frees the state of endpoints that leave. Alone, the balancer is the only owner it tells; the router
+        # lists all of them (RouterContext.endpoint_state_owners).
+        self.departures = Departures(loads=loads, metrics=metrics, is_member=self.is_member,
+                                     owners=lambda: (self,))
 
     # ---- inputs -------------------------------------------------------------------------------------
 
@@ -87,19 +95,35 @@ class Balancer:
         self._source_states = {k: v for k, v in (states or {}).items() if v is not EndpointState.SERVING}
         # An id that now has another URL is a new incarnation (a StatefulSet pod recreated on a new IP): its
         # telemetry, health and drain state belonged to the old one.
-        moved = {i for i, ep in self._endpoints.items() if i in previous and previous[i].url != ep.url}
-        for gone in (set(previous) - set(self._endpoints)) | moved:
-            self._telemetry.pop(gone, None)
-            self._states.pop(gone, None)
-            self.gpu_health.forget(gone)
+        moved = frozenset(i for i, ep in self._endpoints.items() if i in previous and previous[i].url != ep.url)
+        gone = frozenset(previous.keys() - self._endpoints.keys())
+        if gone or moved:
+            self.departures.left(gone, moved)
+            self.rebuild()  # now: no picker may choose an endpoint whose state was just freed
+        else:
+            self.schedule_rebuild()
+
+    def forget_endpoints(self, gone: frozenset[str]) -> None:
+        """Routing state of endpoints that left (or came back as a new incarnation): telemetry, drains, GPU
+        and policy health, and what picker pool states keep per endpoint (prefix index, hash ring)."""
+        for endpoint_id in gone:
+            self._telemetry.pop(endpoint_id, None)
+            self._states.pop(endpoint_id, None)
+            self.gpu_health.forget(endpoint_id)
             for pool in self.health.values():
-                pool.forget(gone)
-            if gone in self._aged:
-                self._aged.discard(gone)
-                self._metrics.telemetry_age.remove(gone)
-            self._metrics.forget_endpoint(gone)
-            self._decision_children = {k: v for k, v in self._decision_children.items() if k[1] != gone}
-        self.schedule_rebuild()
+                pool.forget(endpoint_id)
+            if endpoint_id in self._aged:  # its age is the old incarnation's: not shown until the new one reports
+                self._aged.discard(endpoint_id)
+                self._metrics.telemetry_age.remove(endpoint_id)
+        self._decision_children = {k: v for k, v in self._decision_children.items() if k[1] not in gone}
+        for state in self._pool_state.values():
+            forget: Callable[[frozenset[str]], None] | None = getattr(state, "forget_endpoints", None)
+            if forget is not None:  # a policy's pool state that keeps per-endpoint data (policies/base.py)
+                forget(gone)
+
+    def is_member(self, endpoint_id: str) -> bool:
+        """Is the endpoint in the endpoint set now (serving or draining)?"""
+        return endpoint_id in self._endpoints
 
     def report_telemetry(self, endpoint_id: str, telemetry: Telemetry) -> None:
         if endpoint_id in self._endpoints:
@@ -246,7 +270,7 @@ class Balancer:
 
     def release_probe(self, spec: PolicySpec, endpoint_id: str) -> None:
         pool = self.health.get(spec.name)
-        if pool is not None:
+        if pool is not None and endpoint_id in self._endpoints:  # one that left has no breaker any more
             pool.breaker(endpoint_id).release()
 
     def health_report(self, endpoint_id: str) -> dict[str, dict[str, object]]:

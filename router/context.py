@@ -20,6 +20,7 @@ from router.access_log import AccessLog
 from router.admission import Admission
 from router.balancer import Balancer
 from router.cost import CostModel
+from router.departures import EndpointStateOwner
 from router.explain import DecisionLog
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
@@ -30,6 +31,7 @@ from router.retry_budget import RetryBudget
 from router.settings import Settings
 from router.shared_loads import SharedLoads
 from router.sticky import StickyTable
+from router.telemetry import EmbeddedCollection, TelemetryFeed
 
 if TYPE_CHECKING:  # imported only when Kubernetes discovery is configured (the client is heavy to import)
     from router.control.routing_policies import RoutingPolicyController
@@ -53,6 +55,8 @@ class RouterContext:
     shared_loads: SharedLoads | None = None  # with Redis: in-flight counts exchanged with other replicas
     sticky_redis: Any = None  # the Redis client session pins use (None without Redis)
     prefix_upkeep: PrefixUpkeep | None = None  # prefix-aware tuning and sharing (app start-up to shutdown)
+    telemetry_feed: TelemetryFeed | None = None  # while telemetry is read (app start-up to shutdown)
+    telemetry_collection: EmbeddedCollection | None = None  # the router's own scrapes, without Redis
     health_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # active probes per policy
     discovery: KubernetesDiscovery | None = None  # while Kubernetes discovery runs (app start-up to shutdown)
     control: RoutingPolicyController | None = None  # while RoutingPolicies are watched (router.control)
@@ -62,14 +66,29 @@ class RouterContext:
     # Set (and replaced) after each telemetry round has been applied: lets tests and tools wait for fresh
     # telemetry instead of sleeping.
     telemetry_round: asyncio.Event = field(default_factory=asyncio.Event)
+    housekeeping_round: asyncio.Event = field(default_factory=asyncio.Event)  # the same, for housekeeping
     started: bool = False
 
     def __post_init__(self) -> None:
         self.retry_budget = RetryBudget(self.clock)
+        self.balancer.departures.owners = self.endpoint_state_owners
 
     def telemetry_round_done(self) -> None:
         done, self.telemetry_round = self.telemetry_round, asyncio.Event()
         done.set()
+
+    def housekeeping_round_done(self) -> None:
+        done, self.housekeeping_round = self.housekeeping_round, asyncio.Event()
+        done.set()
+
+    def endpoint_state_owners(self) -> list[EndpointStateOwner]:
+        """Everything that keeps state per endpoint and must forget an endpoint that leaves, told at once
+        (router/departures.py; the load tracker and the metrics are told once nothing is in flight there)."""
+        owners: list[EndpointStateOwner] = [self.balancer, self.admission, *self.sticky.values()]
+        for owner in (self.telemetry_feed, self.telemetry_collection, self.prefix_upkeep):
+            if owner is not None:
+                owners.append(owner)
+        return owners
     draining: bool = False
 
 

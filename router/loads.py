@@ -11,6 +11,9 @@ estimate add nothing there, and with no estimates anywhere this costs one compar
 
 A request whose picker expected the endpoint to compute some prompt tokens (prefix-aware's least-prefill)
 books them as pending prefill until its first byte (router/prefill.py), which also times the endpoint.
+
+An endpoint that leaves keeps all of this until its last request here ends (router/departures.py), so its
+counts stay exact while a terminating pod finishes its streams; then `forget_endpoints` frees it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class LoadTracker:
         self.others: dict[str, int] = {}
         # Called with the endpoint id whenever a request's in-flight ends (admission hands the slot on).
         self.on_release: Callable[[str], None] | None = None
+        # Called with the endpoint id when its last request in flight ends (a departed endpoint is freed then).
+        self.on_idle: Callable[[str], None] | None = None
         self.prefill = PrefillBook()
         self._prefill_gauge = metrics.pending_prefill
         self._prefill_children: dict[str, Any] = {}
@@ -101,6 +106,8 @@ class LoadTracker:
                 self._add_cost(endpoint_id, -cost, idle=left == 0)
             if self.on_release is not None:
                 self.on_release(endpoint_id)
+            if left == 0 and self.on_idle is not None:
+                self.on_idle(endpoint_id)
 
     def prefill_done(self, booked: Prefill, *, timed: bool) -> None:
         """A booked request's answer began: its prefill is done. `timed` (a stream that is not an error) lets
@@ -116,6 +123,15 @@ class LoadTracker:
         else:
             self.prefill.end(booked)
         self._show_prefill(e)
+
+    def forget_endpoints(self, gone: frozenset[str]) -> None:
+        """Free what is kept for endpoints that left and hold no request of this router any more (router/
+        departures.py removes their series). Their cached gauge children go too: an id that comes back later
+        must get new, exported ones."""
+        for endpoint_id in gone:
+            for table in (self._counts, self._costs, self._children, self._cost_children, self._prefill_children):
+                table.pop(endpoint_id, None)
+        self.prefill.forget_endpoints(gone)
 
     def _show_prefill(self, endpoint_id: str) -> None:
         gauge = self._prefill_children.get(endpoint_id)

@@ -72,6 +72,12 @@ class PrefillBook:
             self._work[e] = work + (prefill.ahead - work) / n
             self._seconds[e] = seconds + (wait - seconds) / n
 
+    def forget_endpoints(self, gone: frozenset[str]) -> None:
+        """Drop the pending prefill and measured speed of endpoints that left (nothing in flight there)."""
+        for endpoint_id in gone:
+            for table in (self._pending, self._work, self._seconds, self._seen):
+                table.pop(endpoint_id, None)
+
     def end(self, prefill: Prefill) -> None:
         """The request ended (or failed) without a first byte, or its first byte came: no longer pending."""
         if not prefill.open:

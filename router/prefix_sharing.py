@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +88,7 @@ class SharedPool:
     index: PrefixIndex
     ttl: float
     max_entries: int
-    endpoints: frozenset[str]  # blocks for other endpoints are ignored
+    endpoints: Container[str]  # blocks for other endpoints are ignored (checked as they arrive)
 
 
 @dataclass

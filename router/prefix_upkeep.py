@@ -10,6 +10,9 @@ with a prefix scorer):
 3. with Redis, the index is exchanged with the other replicas (router/prefix_sharing.py);
 4. index sizes and bounds are exported per endpoint (series of endpoints that left are removed).
 
+Endpoints that leave the fleet are forgotten by each index (`PrefixIndex.forget_endpoints`, from the balancer)
+and here (`forget_endpoints`); blocks shared for them that arrive later are ignored (`ServingNow`).
+
 A round holds a lock, so a test or tool calling `round()` never interleaves with the loop's own round.
 `round_done` is replaced after each round: waiters learn a round has completed without sleeping.
 """
@@ -20,6 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from router.background import contained
 from router.balancer import Balancer
@@ -42,6 +46,19 @@ def prefix_settings(params: object) -> PrefixAwareConfig | None:
     prefix = getattr(params, "prefix", None)
     return prefix if isinstance(prefix, PrefixAwareConfig) else None
 _LOGGED_REASONS = {"kv_capacity", "shrink", "grow"}  # initial sizing (config, fallback) is logged at debug
+
+
+@dataclass(frozen=True)
+class ServingNow:
+    """The endpoints serving a model, whatever their health, checked when shared blocks arrive: an endpoint that
+    left during the Redis round trip is not brought back into the index (an ejected one comes back warm)."""
+
+    balancer: Balancer
+    model: str
+
+    def __contains__(self, endpoint_id: object) -> bool:
+        view = self.balancer.snapshot.by_id.get(endpoint_id) if isinstance(endpoint_id, str) else None
+        return view is not None and self.model in view.endpoint.models
 
 
 class PrefixUpkeep:
@@ -70,7 +87,6 @@ class PrefixUpkeep:
         async with self._lock:
             now = self._clock()
             pools = self._pools()
-            endpoints = self._balancer.endpoints()
             shared: list[SharedPool] = []
             for spec, model, index, config in pools:
                 index.now = now
@@ -80,15 +96,18 @@ class PrefixUpkeep:
                 if self.sharing is not None and config.sharing.enabled:
                     shared.append(SharedPool(
                         key=stream_key(spec.name, model, config.block_chars), index=index, ttl=config.sharing.ttl,
-                        max_entries=config.sharing.max_stream_entries,
-                        # Endpoints serving the model, whatever their health: an ejected one comes back warm.
-                        endpoints=frozenset(ep.id for ep in endpoints if model in ep.models),
+                        max_entries=config.sharing.max_stream_entries, endpoints=ServingNow(self._balancer, model),
                     ))
             if self.sharing is not None and shared:
                 await self.sharing.exchange(shared)
             self._export(pools)
         done, self.round_done = self.round_done, asyncio.Event()
         done.set()
+
+    def forget_endpoints(self, gone: frozenset[str]) -> None:
+        """Endpoints left: no series of theirs is tracked any more (router/departures.py removes them)."""
+        self._sized = {labels for labels in self._sized if labels[2] not in gone}
+        self._rated = {labels for labels in self._rated if labels[2] not in gone}
 
     def _report(self, policy: str, model: str, index: PrefixIndex, results: list[WindowResult]) -> None:
         by_endpoint = {r.endpoint_id: r for r in results}

@@ -141,6 +141,13 @@ class StickyTable:
         except (RedisError, OSError) as exc:
             self._redis_failed(exc)
 
+    def forget_endpoints(self, gone: frozenset[str]) -> None:
+        """Drop the local pins to endpoints that left (one pass over the table, as `sweep` makes every
+        interval). Their sessions are pinned again by the policy at their next request; a Redis copy still
+        naming a departed endpoint is found `gone` and replaced the same way."""
+        for session in [s for s, entry in self._local.items() if entry[0] in gone]:
+            del self._local[session]
+
     def sweep(self) -> dict[str, int]:
         """Forget expired pins; return live pins per endpoint (for the metric)."""
         now = self._clock()

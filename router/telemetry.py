@@ -58,6 +58,10 @@ class MemoryStore:
     async def read(self, endpoint_ids: list[str]) -> dict[str, Mapping[str, str]]:
         return {i: self._records[i] for i in endpoint_ids if i in self._records}
 
+    def forget_endpoints(self, gone: frozenset[str]) -> None:
+        for endpoint_id in gone:
+            self._records.pop(endpoint_id, None)
+
 
 class RedisStore:
     def __init__(self, url: str, *, timeout: float) -> None:
@@ -131,6 +135,9 @@ class TelemetryFeed:
         self._store_down = False
         self._schema_warned: set[str] = set()
 
+    def forget_endpoints(self, gone: frozenset[str]) -> None:
+        self._schema_warned -= gone
+
     async def refresh(self) -> None:
         ids = [ep.id for ep in self._balancer.endpoints()]
         try:
@@ -150,6 +157,8 @@ class TelemetryFeed:
         self._metrics.store_up.set(1)
         wall, mono = self._wall(), self._mono()
         for endpoint_id, fields in raw.items():
+            if not self._balancer.is_member(endpoint_id):
+                continue  # it left while the store was read
             try:
                 record = decode(fields)
             except SchemaMismatch as exc:
@@ -192,9 +201,19 @@ class EmbeddedCollection:
         self._collectors[endpoint.id] = (endpoint.url, collector)
         return collector
 
+    def forget_endpoints(self, gone: frozenset[str]) -> None:
+        """Endpoints that left: their scrapers and their last records go."""
+        for endpoint_id in gone:
+            self._collectors.pop(endpoint_id, None)
+        self._store.forget_endpoints(gone)
+
     async def collect(self, endpoints: Iterable[Endpoint]) -> None:
         collectors = [self._collector(ep) for ep in endpoints]
-        for record in await asyncio.gather(*(c.collect() for c in collectors)):
+        records = await asyncio.gather(*(c.collect() for c in collectors))
+        for collector, record in zip(collectors, records, strict=True):
+            known = self._collectors.get(record.endpoint_id)
+            if known is None or known[1] is not collector:
+                continue  # the endpoint left (or moved) during the scrape: the record is of no one now
             if not record.engine.up:
                 self._metrics.scrape_errors.labels(record.endpoint_id).inc()
             if record.engine.up or record.gpu_source != "none":

@@ -478,14 +478,17 @@ def test_a_block_routed_again_is_announced_again_only_after_refresh_after() -> N
     assert sorted(index.pending(100)["a"]) == [1, 2, 3]
 
 
-def test_indices_of_departed_endpoints_are_dropped_once_they_outnumber_the_pool() -> None:
+def test_an_endpoint_missing_from_the_pool_keeps_its_index_until_it_leaves_the_fleet() -> None:
     state = POLICY.new_state()
-    for i in range(8):
-        state.record(f"old-{i}", [i])
-    build(views("a", "b", "c"), state=state)  # 8 <= 2 * 3 + 4: kept (they may only be ejected for a while)
-    assert len(state.by_endpoint) == 8
-    build(views("a"), state=state)  # 8 > 2 * 1 + 4: dropped
-    assert state.by_endpoint == {}
+    state.start_sharing()
+    for endpoint_id in ("a", "b"):
+        state.record(endpoint_id, [1, 2])
+        state.observe(endpoint_id, 10, 20)
+    build(views("a"), state=state)  # b is only ejected or draining: it comes back with its cache warm
+    assert set(state.by_endpoint) == {"a", "b"} and state.queued == 4
+    state.forget_endpoints(frozenset({"b"}))  # b left the fleet (the balancer tells every pool state)
+    assert set(state.by_endpoint) == {"a"} and state.queued == 2
+    assert state.estimate("b") == (0.0, 0.0, 0.0) and not state.has_base("b") and "b" not in state.tuning
 
 
 # ---- sized from the engine's KV capacity --------------------------------------------------------------

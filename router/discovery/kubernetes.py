@@ -506,6 +506,9 @@ class KubernetesDiscovery:
         pods = {e.pod_key for e in current}
         for gone in set(self._pod_models) - pods:
             del self._pod_models[gone]
+        # Warnings about endpoints and slices that are gone: forgotten (pod names churn with every rollout).
+        live = {e.id for e in current} | {p for p in pods if p is not None} | set(self._slices)
+        self._warned = {w for w in self._warned if w[0] == "empty" or w[1] in live}
         key = (tuple(endpoints), tuple(sorted((k, v.value) for k, v in states.items())), self._static)
         if key != self._published:
             self._published = key

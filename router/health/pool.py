@@ -157,9 +157,12 @@ class PoolHealth:
         ) or self.outlier.any_ejected()
 
     def forget(self, endpoint_id: str) -> None:
+        """The endpoint left: its health state goes (its series go with the endpoint's: router/departures.py)."""
         reason = self._excluded.pop(endpoint_id, None)
         if reason is not None:
             self._metrics.excluded.remove(self.policy, endpoint_id, reason)
+        if self._admitted is not None:
+            self._admitted.discard(endpoint_id)
         self.active.forget(endpoint_id)
         self.outlier.forget(endpoint_id)
         self.slow_start.forget(endpoint_id)

@@ -343,6 +343,5 @@ class CompositePolicy:
               rng: random.Random, events: EventSink) -> CompositePicker:
         if config.prefix is None:
             return CompositePicker(views, config, rng, events)
-        state.retain({v.id for v in views})
         size_index(state, views, config.prefix)
         return CompositePicker(views, config, rng, events, index=state)

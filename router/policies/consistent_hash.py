@@ -95,6 +95,11 @@ class RingState:
         self.members: tuple[str, ...] = ()
         self.ring: HashRing | None = None
 
+    def forget_endpoints(self, gone: frozenset[str]) -> None:
+        """Endpoints left the fleet: a ring that holds one is rebuilt at the next build (keys move as they would)."""
+        if not gone.isdisjoint(self.members):
+            self.members, self.ring = (), None
+
     def ring_for(self, members: tuple[str, ...]) -> HashRing | None:
         if members != self.members or self.ring is None:
             self.members = members

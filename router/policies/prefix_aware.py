@@ -575,6 +575,5 @@ class PrefixAwarePolicy:
         rng: random.Random,
         events: EventSink,
     ) -> PrefixAwarePicker:
-        state.retain({v.id for v in views})
         size_index(state, views, config)
         return PrefixAwarePicker(views, state, config, rng, events)

@@ -185,18 +185,16 @@ class PrefixIndex:
         while len(blocks) > bound:
             blocks.popitem(last=False)
 
-    def retain(self, endpoint_ids: set[str]) -> None:
-        """Bound the index to the pool. An endpoint missing from one build is often only ejected or
-        draining for a while and comes back with its cache warm, so its index is kept; only when absent
-        endpoints outnumber the pool (pods replaced under new names) are theirs dropped."""
-        if len(self.by_endpoint) <= 2 * len(endpoint_ids) + 4 and len(self._bound) <= 2 * len(endpoint_ids) + 4:
-            return
+    def forget_endpoints(self, gone: frozenset[str]) -> None:
+        """Endpoints that left the fleet (the balancer tells every pool state): their blocks, bounds, tuning
+        windows, estimates and queued announcements go. One only ejected or draining is still a member and keeps
+        its index: it comes back with its cache warm."""
         for table in (self.by_endpoint, self._base, self._factor, self._bound, self._estimate, self.tuning):
-            for gone in [e for e in table if e not in endpoint_ids]:
-                del table[gone]
+            for endpoint_id in gone:
+                table.pop(endpoint_id, None)
         if self._outbox is not None:
-            for gone in [e for e in self._outbox if e not in endpoint_ids]:
-                self._outbox_size -= len(self._outbox.pop(gone))
+            for endpoint_id in gone:
+                self._outbox_size -= len(self._outbox.pop(endpoint_id, ()))
 
     def size(self, endpoint_id: str) -> int:
         return len(self.by_endpoint.get(endpoint_id, ()))
