@@ -195,7 +195,10 @@ async def test_dcgm_source_gives_each_endpoint_its_own_gpu_numbers(fleet, dcgm_e
         assert not await fleet.client.exists(gpu_key(a))
         view = await fleet.router_view()
         assert view[a].gpu_util is None and view[a].source == "engine" and view[a].num_waiting == 1
-        assert "no GPU record from the node agent" in caplog.text
+        assert "no GPU record from the node agent" not in caplog.text  # a new pod's record may be a round away
+        await fleet.sidecar_round()
+        await fleet.sidecar_round()  # ... but three reads without one are worth a warning
+        assert caplog.text.count("no GPU record from the node agent") == 1
 
         # dcgm-exporter fails: one warning, no crash, nothing published; then it recovers.
         caplog.clear()

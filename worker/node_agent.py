@@ -49,12 +49,12 @@ from worker.node_sources import (
     SourceUnavailable,
     aggregate,
 )
-from worker.podresources import DEFAULT_SOCKET, PodResourcesClient
 from worker.protocol import GpuRecord
 from worker.publisher import GpuRecordPublisher
 
 log = logging.getLogger("fleetroute.node_agent")
 
+DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"  # the kubelet's PodResources socket
 DEFAULT_DCGM_URL = "http://127.0.0.1:9400/metrics"
 DEFAULT_METRICS_PORT = 9402
 
@@ -80,6 +80,8 @@ class NodeAgentSettings:
 def open_source(settings: NodeAgentSettings, session: aiohttp.ClientSession) -> NodeSource:
     if settings.source == "dcgm":
         return DcgmNodeSource(session, settings.dcgm_url, settings.pods, timeout=settings.timeout)
+    from worker.podresources import PodResourcesClient  # gRPC: loaded only by the nvml source
+
     return NvmlNodeSource(PodResourcesClient(settings.pod_resources_socket, timeout=settings.timeout),
                           settings.pods)
 

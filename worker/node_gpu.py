@@ -36,7 +36,8 @@ class NodeGpuReader:
         self.endpoint_id = endpoint_id
         self._key = gpu_key(endpoint_id)
         self._clock = clock
-        self._missing: str | None = None  # why the last read gave nothing, if it did
+        self._missing: str | None = None  # why the last read gave nothing, if it did (and was logged)
+        self._absent_reads = 0  # reads in a row that found no record
 
     def _nothing(self, why: str, message: str, **extra: object) -> None:
         if self._missing != why:
@@ -49,9 +50,13 @@ class NodeGpuReader:
         except (RedisError, OSError):
             return None  # the publish of the same round fails too, and the agent says so once
         if not raw:
-            self._nothing("absent", "no GPU record from the node agent; publishing engine-only telemetry (is "
-                          "`fleetroute node-agent` running on this node, watching this pod's namespace?)")
+            # A new pod's first record comes with the node agent's next round: no warning for that.
+            self._absent_reads += 1
+            if self._absent_reads >= STALE_INTERVALS:
+                self._nothing("absent", "no GPU record from the node agent; publishing engine-only telemetry (is "
+                              "`fleetroute node-agent` running on this node, watching this pod's namespace?)")
             return None
+        self._absent_reads = 0
         try:
             record = decode_gpu_record(raw)
             if record.endpoint_id != self.endpoint_id:

@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Protocol
 import aiohttp
 
 from worker.dcgm_metrics import parse_dcgm_metrics
-from worker.podresources import PodResourcesClient, PodResourcesUnavailable
 from worker.protocol import GpuSample
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # imported when used: the `fleetroute` command line need not load gRPC or NVML
     from worker.nvml import NvmlSampler
+    from worker.podresources import PodResourcesClient
 
 log = logging.getLogger("fleetroute.node_agent")
 
@@ -186,6 +186,8 @@ class NvmlNodeSource:
                                 extra={"gpu_index": index, "error": str(exc)})
 
     async def read(self) -> list[EndpointGpus]:
+        from worker.podresources import PodResourcesUnavailable
+
         self._open()
         try:
             devices = await self._pod_resources.devices()

@@ -33,7 +33,6 @@ import grpc
 from worker.podresources import api_pb2
 from worker.podresources.api_pb2_grpc import PodResourcesListerStub
 
-DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 NVIDIA_RESOURCE_PREFIX = "nvidia.com/"
 
 # gRPC backs reconnection off up to 120 s by default; a kubelet restart (which recreates the socket) must
@@ -68,7 +67,7 @@ class PodResourcesUnavailable(Exception):
 class PodResourcesClient:
     """A client of one kubelet's PodResources socket; create it on the event loop that uses it."""
 
-    def __init__(self, socket_path: str = DEFAULT_SOCKET, *, timeout: float = 2.0) -> None:
+    def __init__(self, socket_path: str, *, timeout: float = 2.0) -> None:
         self.socket_path = socket_path
         self._timeout = timeout
         self._channel = grpc.aio.insecure_channel(f"unix:{socket_path}", options=_CHANNEL_OPTIONS)
