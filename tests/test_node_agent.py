@@ -376,6 +376,9 @@ async def test_nvml_source_reads_index_ids_and_time_sliced_gpus_and_names_mig_it
         await rounds(pubsub, node, 1)
         view = await fleet.router_view()
         assert view[a].gpu_util == pytest.approx(0.80) and view[b].gpu_util == pytest.approx(0.40)
+        # The records name GPUs by UUID, whatever id the device plugin used.
+        assert await fleet.client.hget(gpu_key(a), "gpu_uuids") == "GPU-fa4e0000-0000-0000-0000-000000000001"
+        assert await fleet.client.hget(gpu_key(b), "gpu_uuids") == "GPU-fa4e0000-0000-0000-0000-000000000000"
         assert (await fleet.record(b)).gpu.count == 1  # the MIG instance is not sampled...
         entry = json.loads(await log.wait_for("MIG instance"))  # ...and the log says so, naming the pod
         assert entry["pod"] == b and entry["level"] == "warning"

@@ -43,6 +43,7 @@ from worker.node_metrics import NodeAgentMetrics
 from worker.node_sources import (
     NODE_SOURCES,
     DcgmNodeSource,
+    EndpointGpus,
     NodeSource,
     NvmlNodeSource,
     PodFilter,
@@ -108,7 +109,7 @@ class NodeAgent:
             log.warning(message, extra={"node": self.settings.node, "stage": stage, "error": error, "hint": hint})
         self._failing = stage
 
-    def _records(self, now: float, endpoints: list) -> list[GpuRecord]:
+    def _records(self, now: float, endpoints: list[EndpointGpus]) -> list[GpuRecord]:
         records: dict[str, GpuRecord] = {}
         for e in endpoints:
             if e.endpoint_id in records:  # the same pod name in two watched namespaces: the router cannot tell
@@ -169,6 +170,8 @@ class NodeAgent:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         next_tick = loop.time()
+        if self.last_round is None:
+            self.last_round = next_tick  # a first round that never ends is unhealthy too
         while True:
             try:
                 await self.tick()
@@ -180,7 +183,7 @@ class NodeAgent:
     def healthy(self) -> bool:
         """Whether rounds keep ending (whatever their result): false once none has for 10 intervals."""
         if self.last_round is None:
-            return True  # the first round has not ended yet
+            return True  # not running yet
         limit = 10 * self.settings.interval + self.settings.timeout
         return asyncio.get_running_loop().time() - self.last_round <= limit
 

@@ -136,7 +136,7 @@ def aggregate(samples: Iterable[GpuSample]) -> GpuSample:
 
 
 class _Once:
-    """Log a condition once per key until it clears (so a broken state is one line, not one per round)."""
+    """Log a condition once per key (a lasting state is one line, not one per round)."""
 
     def __init__(self) -> None:
         self._seen: set[str] = set()
@@ -202,20 +202,22 @@ class NvmlNodeSource:
         by_id: dict[str, NvmlSampler] = {}
         for index, sampler in self._samplers.items():
             by_id[sampler.uuid] = by_id[str(index)] = sampler
-        readings: dict[str, GpuSample] = {}
+        readings: dict[int, GpuSample] = {}  # by GPU index: a GPU that pods share (time-slicing) is sampled once
         out = []
         for (namespace, pod), ids in held.items():
-            known = []
+            known: list[str] = []
+            samples: list[GpuSample] = []
             for gpu_id in ids:
                 sampler = by_id.get(gpu_id)
                 if sampler is None:
                     self._unknown(pod, gpu_id)
                     continue
-                if gpu_id not in readings:  # a GPU shared by time-slicing is sampled once
-                    readings[gpu_id] = await sampler.sample()
-                known.append(gpu_id)
+                if sampler.index not in readings:
+                    readings[sampler.index] = await sampler.sample()
+                known.append(sampler.uuid)
+                samples.append(readings[sampler.index])
             if known:
-                out.append(EndpointGpus(pod, namespace, tuple(known), tuple(readings[i] for i in known)))
+                out.append(EndpointGpus(pod, namespace, tuple(known), tuple(samples)))
         return out
 
     def _unknown(self, pod: str, gpu_id: str) -> None:
