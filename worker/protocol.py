@@ -16,8 +16,9 @@ Fields (all strings, as Redis stores them; a signal the agent could not read is 
     gpu_source        nvml | dcgm | sim | none (nvml or dcgm through the node agent on Kubernetes)
     gpu_reported_at   when the GPU part was sampled, if by the node agent (its wall clock: the same node's)
     gpu_count         GPUs behind the endpoint, if the node agent read them (the gpu_* fields aggregate them)
-    gpu_util          0..1, GPU busy fraction (NVML utilization.gpu, or GPM SM activity when available)
-    gpu_util_kind     utilization | gpm_sm_activity
+    gpu_util          0..1, GPU busy fraction (NVML utilization.gpu, or GPM SM activity when available; from
+                      dcgm-exporter its SM activity or engine activity when exported)
+    gpu_util_kind     utilization | gpm_sm_activity | dcgm_sm_active | dcgm_gr_engine_active
     gpu_mem_util      0..1, GPU memory used / total (for vLLM ~0.9 from start-up: pre-allocated)
     gpu_mem_used_bytes, gpu_mem_total_bytes
     gpu_temperature_c, gpu_power_w
