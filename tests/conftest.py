@@ -9,6 +9,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+# Fixture modules imported by several test modules: rewritten for assertions before any of them imports one
+# (a module's `pytest_plugins` comes too late when another module imported it first).
+pytest.register_assert_rewrite("tests.nvml_fixtures")
+
 from router.app import RunningRouter, build_context, start_router
 from router.settings import parse_settings
 from tests.fake_engine import FakeEngine

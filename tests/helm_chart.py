@@ -75,6 +75,11 @@ def secret_value(objs: list[dict], name: str, key: str) -> str:
     return "redis://:s3cret@redis.cache.svc:6379/2" if "url" in key else f"{name}-{key}-s3cret"
 
 
+# What the downward API gives the chart's containers (kubernetes.io/docs/concepts/workloads/pods/downward-api):
+# fixed stand-ins for the fields that are not the pod's name.
+FIELD_REFS = {"metadata.name": "pod-0", "spec.nodeName": "node-0", "status.hostIP": "10.0.0.1"}
+
+
 def container_env(objs: list[dict], container: dict, pod_name: str = "pod-0") -> dict[str, str]:
     """The container's environment as the kubelet builds it: values, Secret keys, the pod name, and `$(VAR)`
     references to variables defined earlier in the list expanded (kubernetes.io/docs/tasks/inject-data-application/
@@ -88,8 +93,9 @@ def container_env(objs: list[dict], container: dict, pod_name: str = "pod-0") ->
             ref = item["valueFrom"]["secretKeyRef"]
             value = secret_value(objs, ref["name"], ref["key"])
         else:
-            assert item["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", item
-            value = pod_name
+            path = item["valueFrom"]["fieldRef"]["fieldPath"]
+            assert path in FIELD_REFS, item
+            value = pod_name if path == "metadata.name" else FIELD_REFS[path]
         env[item["name"]] = value
     return env
 

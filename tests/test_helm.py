@@ -4,7 +4,7 @@ renders: tests/helm_chart.py; security, pools, KEDA, HTTPRoute and alerts: tests
 What is checked:
 - `helm lint --strict`, and `helm template` with the default values and every values file in
   helm/fleetroute/ci/ (external Redis, two pools, ingress, monitoring, HPA, closed network, model-cache claims,
-  KEDA, Gateway API);
+  KEDA, Gateway API, GPU telemetry from NVML or DCGM);
 - every rendered built-in object against the Kubernetes OpenAPI schemas (`kubernetes-validate`, strict:
   unknown fields are errors), RoutingPolicy objects against the CRD's openAPIV3Schema and CEL rules, and the
   other projects' kinds (ServiceMonitor, PrometheusRule, ScaledObject, HTTPRoute) against their CRDs
@@ -13,7 +13,9 @@ What is checked:
   its pod gives it;
 - the contracts between objects that no schema sees: probes on the admin port, termination grace above
   the router's drain, the checksum roll, discovery's label selector and model annotation versus the
-  worker Services and pods, the agent's endpoint id and Redis, least-privilege RBAC;
+  worker Services and pods, the agent's endpoint id and Redis, least-privilege RBAC, the GPU node agents'
+  command line (parsed by the real CLI) against the workers' namespace, engine container and the kubelet's
+  socket;
 - bad values are rejected by values.schema.json with a message that names the value;
 - every value is documented (`## @param`), docs/kubernetes.md's values reference is current (regenerate it with
   `python scripts/helm_values_reference.py --write`), the chart's CRD is a copy of manifests/crd/, and
@@ -508,7 +510,11 @@ def test_hpa_ingress_and_monitoring(rendered):
         pytest.param(["--set", "router.podAntiAffinity=always"], "podAntiAffinity", id="bad-anti-affinity"),
         pytest.param(["--set", "redis.external.url=http://redis:6379"], "at '/redis/external/url'", id="bad-redis-url"),
         pytest.param(["--set", "pools[0].engine.gpuMemoryUtilization=1.5"], "gpuMemoryUtilization", id="gpu-mem-over-1"),
-        pytest.param(["--set", "agent.gpuSource=sim"], "gpuSource", id="agent-gpu-source-sim"),
+        pytest.param(["--set", "gpuTelemetry.source=sim"], "at '/gpuTelemetry/source': value must be one of 'none', "
+                     "'nvml', 'dcgm'", id="gpu-telemetry-source-sim"),
+        # The sidecar cannot see its pod's GPUs: its old `nvml` source is gone from the chart (gpuTelemetry instead).
+        pytest.param(["--set", "agent.gpuSource=nvml"], "gpuSource", id="agent-gpu-source-removed"),
+        pytest.param(["--set", "gpuTelemetry.dcgm.url=localhost:9400"], "at '/gpuTelemetry/dcgm/url'", id="dcgm-url"),
         pytest.param(["--set", "router.policies[0].name=chat,router.policies[0].preset=chat"],
                      "at '/router/policies/0/preset': value must be one of 'realtime-chat', 'batch-generation', "
                      "'rag-search'", id="unknown-preset"),
@@ -522,6 +528,80 @@ def test_bad_values_are_rejected_with_a_clear_message(helm, args, message):
     assert proc.returncode != 0, f"helm accepted {args}"
     assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
     assert message in proc.stderr, proc.stderr
+
+
+def test_gpu_telemetry_without_redis_fails_with_the_reason(helm):
+    proc = helm("template", RELEASE, str(CHART), "--set", "gpuTelemetry.source=nvml,redis.enabled=false", check=False)
+    assert proc.returncode != 0 and "gpuTelemetry.source needs redis.enabled and agent.enabled" in proc.stderr
+
+
+def _worker_args(objs: list[dict]) -> list[list[str]]:
+    """The agent sidecars' args, one list per worker Deployment."""
+    return [c["args"] for o in objs if o["kind"] == "Deployment"
+            and o["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
+            for c in o["spec"]["template"]["spec"]["containers"] if c["name"] == "agent"]
+
+
+def test_gpu_telemetry_node_agents_find_the_workers_gpus(rendered):
+    from router.cli import build_parser
+
+    # Off by default: no DaemonSet, and the sidecars publish engine signals only.
+    assert not [o for o in rendered["default"] if o["kind"] == "DaemonSet"]
+    assert all("--gpu-source=none" in args for args in _worker_args(rendered["default"]))
+    for name in ("gpu-telemetry-nvml-values", "gpu-telemetry-dcgm-values"):
+        objs = rendered[name]
+        values = yaml.safe_load((CHART / "ci" / f"{name}.yaml").read_text())["gpuTelemetry"]
+        ds = _one(objs, "DaemonSet", f"{RELEASE}-fleetroute-gpu-telemetry")
+        pod = ds["spec"]["template"]["spec"]
+        (agent,) = pod["containers"]
+        args = build_parser().parse_args(agent["args"])  # the real command line accepts what the chart writes
+        assert args.source == values["source"] and args.interval == values.get("interval", "1s")
+        # It publishes the pods the routers discover (pod names in the release namespace) ...
+        assert args.namespace == [_router_config(objs)["discovery"]["kubernetes"]["namespace"]] == [NAMESPACE]
+        # ... counting the GPUs of the workers' engine container, and each worker's agent merges its record.
+        engines = {c["name"] for o in objs if o["kind"] == "Deployment" and "nvidia.com/gpu" in str(o)
+                   for c in o["spec"]["template"]["spec"]["containers"] if "nvidia.com/gpu" in str(c.get("resources"))}
+        assert args.container == sorted(engines) == ["vllm"]
+        assert all("--gpu-source=node" in a for a in _worker_args(objs))
+        assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+        assert pod["automountServiceAccountToken"] is False  # no Kubernetes API access
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert {t["key"] for t in pod["tolerations"]} == {"nvidia.com/gpu"}
+        env = {e["name"]: e for e in agent["env"]}
+        assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+        ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
+        assert ports == {"metrics": args.metrics_port}
+        assert agent["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+        sc = agent["securityContext"]
+        assert sc["capabilities"]["drop"] == ["ALL"] and sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+        if args.source == "nvml":
+            # Every GPU of the node through the NVIDIA runtime, and the kubelet's socket, which only root may use.
+            assert pod["runtimeClassName"] == values["nvml"]["runtimeClassName"]
+            assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+            assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility"
+            (volume,) = pod["volumes"]
+            assert volume["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}
+            (mount,) = agent["volumeMounts"]
+            assert mount["name"] == volume["name"] and mount["readOnly"]
+            assert args.pod_resources_socket == mount["mountPath"] + "/kubelet.sock"
+            assert sc["runAsUser"] == 0
+            # The node agent writes where the routers' agents read: the same Redis, password included.
+            (router,) = _one(objs, "Deployment", f"{RELEASE}-fleetroute")["spec"]["template"]["spec"]["containers"]
+            assert container_env(objs, agent)["REDIS_URL"] == container_env(objs, router)["REDIS_URL"]
+            assert not [a for a in agent["args"] if a.startswith("--redis")]
+            # ... and may: Redis' NetworkPolicy lets in the pods labelled as its clients.
+            assert ds["spec"]["template"]["metadata"]["labels"]["fleetroute.io/redis-client"] == "true"
+            monitor = _one(objs, "PodMonitor")
+            assert monitor["spec"]["selector"]["matchLabels"] == ds["spec"]["selector"]["matchLabels"]
+            assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+        else:
+            # dcgm-exporter has mapped the pods already: no socket, no GPU, no root.
+            assert "volumes" not in pod and "runtimeClassName" not in pod
+            assert sc["runAsNonRoot"] and sc["runAsUser"] == 10001
+            assert args.dcgm_url == values["dcgm"]["url"]
+            assert env["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+            assert env["REDIS_URL"]["valueFrom"]["secretKeyRef"]["name"] == "fleetroute-redis"
+            assert not [a for a in agent["args"] if a.startswith("--redis")]
 
 
 def _schema_paths(schema: dict, documented: set[str], prefix: str = "") -> tuple[set[str], set[str]]:

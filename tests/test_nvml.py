@@ -24,6 +24,7 @@ def expected(**fields: object) -> dict[str, object]:
         "util": 0.0, "util_kind": "utilization", "mem_used_bytes": 0, "mem_total_bytes": 80 * GIB,
         "temperature_c": 30.0, "power_w": 70.0, "throttle_reasons": 0, "xid_errors": 0, "ecc_uncorrected": 0,
         "retired_pages": 0, "lost": False,
+        "count": None, "reported_at": None,  # set only on the node agent's per-endpoint readings
     }
     sample.update(fields)
     return sample

@@ -1,5 +1,10 @@
-"""`fleetroute agent`: the sidecar beside each engine. Every interval it samples the GPU (NVML, or a
-simulator's `/sim/gpu`) and the engine's `/metrics`, and publishes one record to Redis for every router.
+"""`fleetroute agent`: the sidecar beside each engine. Every interval it samples the GPU and the engine's
+`/metrics`, and publishes one record to Redis for every router.
+
+GPU sources: `node` on Kubernetes, where the sidecar cannot see its pod's GPUs (the device plugin gives them
+only to the engine's container): it merges the GPU record that the node agent (`fleetroute node-agent`,
+worker/node_agent.py) publishes for this endpoint, see worker/node_gpu.py. `nvml` where the sidecar does see
+the engine's GPU (a host or VM with the engine's GPU at `--gpu-index`). `sim`: a simulator's `/sim/gpu`.
 
 It never crash-loops on its environment: no NVIDIA driver gives one clear log line and engine-only
 telemetry; an unreachable engine publishes `engine_up=0` (routers then see the endpoint's engine signals as
@@ -22,11 +27,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from worker.collect import EngineCollector, GpuSampler, SimGpuSampler
+from worker.node_gpu import NodeGpuReader, merge
 from worker.publisher import RedisPublisher
 
 log = logging.getLogger("fleetroute.agent")
 
-GPU_SOURCES = ("nvml", "sim", "none")
+GPU_SOURCES = ("node", "nvml", "sim", "none")
 
 
 @dataclass(frozen=True)
@@ -71,12 +77,18 @@ class Agent:
             session=session, endpoint_id=settings.endpoint_id, engine_url=settings.engine_url, gpu=self._gpu,
             gpu_source=gpu_source, interval=settings.interval, timeout=settings.timeout,
         )
+        # The node agent's record for this endpoint, read beside the engine scrape (collector.gpu is then None).
+        self._node_gpu = NodeGpuReader(client, settings.endpoint_id) if settings.gpu_source == "node" else None
         self._publisher = RedisPublisher(client, ttl=settings.ttl)
         self._redis_down = False
         self.published = 0
 
     async def tick(self) -> None:
-        record = await self._collector.collect()
+        if self._node_gpu is not None:
+            record, gpu = await asyncio.gather(self._collector.collect(), self._node_gpu.read())
+            record = merge(record, gpu)
+        else:
+            record = await self._collector.collect()
         try:
             await self._publisher.publish(record)
         except (RedisError, OSError) as exc:
@@ -131,14 +143,17 @@ async def run_agent(settings: AgentSettings) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("agent", help="run the telemetry sidecar beside one engine (NVML + vLLM metrics -> Redis)",
-                       description="Sample the GPU and the engine's /metrics every interval and publish one "
-                       "telemetry record to Redis for the routers (schema: worker/protocol.py, docs/telemetry.md).")
+    p = sub.add_parser("agent", help="run the telemetry sidecar beside one engine (vLLM metrics + GPU -> Redis)",
+                       description="Sample the engine's /metrics and its GPU every interval and publish one "
+                       "telemetry record to Redis for the routers (schema: worker/protocol.py, docs/telemetry.md). "
+                       "On Kubernetes the GPU numbers come from the node agent (--gpu-source node).")
     p.add_argument("--engine-url", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="Redis URL (default: $REDIS_URL)")
     p.add_argument("--endpoint-id", required=True, help="the endpoint id routers know this engine by")
     p.add_argument("--gpu-source", choices=GPU_SOURCES, default="nvml",
-                   help="nvml (real GPU), sim (a fleetroute sim's /sim/gpu) or none")
+                   help="node (on Kubernetes: the GPU record `fleetroute node-agent` publishes for this endpoint), "
+                   "nvml (a GPU this process sees, at --gpu-index), sim (a fleetroute sim's /sim/gpu) or none "
+                   "(default nvml)")
     p.add_argument("--gpu-index", type=int, default=0, help="NVML device index (default 0)")
     p.add_argument("--interval", default="1s", help="sampling interval, e.g. 1s or 500ms (default 1s)")
     p.set_defaults(func=main)

@@ -270,6 +270,20 @@ def _device_reason(index: int, err: pynvml.NVMLError) -> str:
     return f"GPU {index} unusable: NVML: {err}"
 
 
+def gpu_count() -> int:
+    """How many GPUs NVML shows (all of the node's where the container sees them all). Raises NvmlUnavailable."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        raise NvmlUnavailable(_INIT_REASONS.get(err.value, f"NVML initialisation failed: {err}")) from err
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except pynvml.NVMLError as err:
+        raise NvmlUnavailable(f"NVML cannot count the GPUs: {err}") from err
+    finally:
+        _quietly("nvmlShutdown", pynvml.nvmlShutdown)
+
+
 class NvmlSampler:
     """Samples one GPU through NVML. Construct, `await sample()` every interval, `close()` at the end."""
 

@@ -9,12 +9,16 @@ Fields (all strings, as Redis stores them; a signal the agent could not read is 
 
     schema            "1"; a reader that does not know the version ignores the record (and says so)
     endpoint_id       the endpoint this describes (the discovery id; the join key)
-    reported_at       agent wall-clock time of the sample, Unix seconds
+    reported_at       agent wall-clock time of the sample, Unix seconds: of its oldest part when the GPU part
+                      came from the node agent (so a router never takes older GPU numbers for fresh ones)
     seq               increases by one per write (debugging, lost-update detection)
     interval          the agent's sampling interval, seconds
-    gpu_source        nvml | sim | none
-    gpu_util          0..1, GPU busy fraction (NVML utilization.gpu, or GPM SM activity when available)
-    gpu_util_kind     utilization | gpm_sm_activity
+    gpu_source        nvml | dcgm | sim | none (nvml or dcgm through the node agent on Kubernetes)
+    gpu_reported_at   when the GPU part was sampled, if by the node agent (its wall clock: the same node's)
+    gpu_count         GPUs behind the endpoint, if the node agent read them (the gpu_* fields aggregate them)
+    gpu_util          0..1, GPU busy fraction (NVML utilization.gpu, or GPM SM activity when available; from
+                      dcgm-exporter its SM activity or engine activity when exported)
+    gpu_util_kind     utilization | gpm_sm_activity | dcgm_sm_active | dcgm_gr_engine_active
     gpu_mem_util      0..1, GPU memory used / total (for vLLM ~0.9 from start-up: pre-allocated)
     gpu_mem_used_bytes, gpu_mem_total_bytes
     gpu_temperature_c, gpu_power_w
@@ -38,6 +42,19 @@ Fields (all strings, as Redis stores them; a signal the agent could not read is 
 
 The TTL is a few intervals, so a dead agent's record disappears by itself rather than lying. Routers also
 judge age from `reported_at` and treat old records as unknown.
+
+GPU records, from the node agent (`fleetroute node-agent`, one per GPU node) to the endpoint's sidecar agent,
+which merges them into the telemetry record above (routers never read these keys):
+
+    key      fleetroute:v1:gpu:{endpoint_id}              (DEL, HSET, PEXPIRE ttl in one MULTI per round)
+    channel  fleetroute:v1:gpu-updates                    (PUBLISH the node's name after each round)
+
+    schema, endpoint_id, reported_at, interval   as above, of the node agent's round
+    source            nvml | dcgm
+    node, namespace   where the endpoint's pod runs
+    gpu_uuids         the pod's GPUs, comma-separated (GPU or MIG UUIDs)
+    gpu_count and the gpu_* fields of the telemetry record, aggregated over the pod's GPUs (see
+                      worker/node_sources.py: mean busy fraction, the fullest GPU's memory, any GPU lost...)
 """
 
 from __future__ import annotations
@@ -51,8 +68,17 @@ KEY_PREFIX = "fleetroute:v1:telemetry:"
 UPDATES_CHANNEL = "fleetroute:v1:telemetry-updates"
 
 
+GPU_KEY_PREFIX = "fleetroute:v1:gpu:"
+GPU_UPDATES_CHANNEL = "fleetroute:v1:gpu-updates"
+GPU_RECORD_SOURCES = ("nvml", "dcgm")
+
+
 def telemetry_key(endpoint_id: str) -> str:
     return KEY_PREFIX + endpoint_id
+
+
+def gpu_key(endpoint_id: str) -> str:
+    return GPU_KEY_PREFIX + endpoint_id
 
 
 @dataclass(frozen=True)
@@ -70,6 +96,10 @@ class GpuSample:
     ecc_uncorrected: int | None = None
     retired_pages: int | None = None
     lost: bool = False
+    # Set only on readings that the node agent took for a whole endpoint: how many GPUs it aggregates, and
+    # when it was read (wall clock), which is older than the record it is merged into.
+    count: int | None = None
+    reported_at: float | None = None
 
     @property
     def mem_util(self) -> float | None:
@@ -125,7 +155,7 @@ _ENGINE_FIELDS = {
     "kv_capacity_tokens": "kv_capacity_tokens",
 }
 _INT_FIELDS = {"mem_used_bytes", "mem_total_bytes", "throttle_reasons", "xid_errors", "ecc_uncorrected",
-               "retired_pages"}
+               "retired_pages", "count"}
 
 
 def _put(out: dict[str, str], key: str, value: object) -> None:
@@ -147,11 +177,15 @@ def encode(record: TelemetryRecord) -> dict[str, str]:
     _put(out, "interval", record.interval)
     _put(out, "gpu_source", record.gpu_source)
     _put(out, "prefix_cache_hit_rate", record.prefix_cache_hit_rate)
-    for name, value in asdict(record.gpu).items():
-        _put(out, _GPU_FIELDS[name], value)
+    _put_gpu(out, record.gpu)
     for name, value in asdict(record.engine).items():
         _put(out, _ENGINE_FIELDS[name], value)
     return out
+
+
+def _put_gpu(out: dict[str, str], gpu: GpuSample) -> None:
+    for name, value in asdict(gpu).items():
+        _put(out, _GPU_FIELDS[name], value)
 
 
 def _float(raw: Mapping[str, str], key: str) -> float | None:
@@ -167,15 +201,6 @@ def decode(raw: Mapping[str, str]) -> TelemetryRecord:
     schema = raw.get("schema")
     if schema != str(SCHEMA_VERSION):
         raise SchemaMismatch(f"telemetry schema {schema!r}, this router reads {SCHEMA_VERSION}")
-    gpu_kwargs: dict[str, object] = {}
-    for name, key in _GPU_FIELDS.items():
-        if name == "util_kind":
-            gpu_kwargs[name] = raw.get(key, "utilization")
-        elif name == "lost":
-            gpu_kwargs[name] = raw.get(key) == "1"
-        else:
-            value = _float(raw, key)
-            gpu_kwargs[name] = int(value) if value is not None and name in _INT_FIELDS else value
     engine_kwargs: dict[str, object] = {}
     for name, key in _ENGINE_FIELDS.items():
         if name == "up":
@@ -191,7 +216,74 @@ def decode(raw: Mapping[str, str]) -> TelemetryRecord:
         seq=int(raw.get("seq", "0")),
         interval=float(raw.get("interval", "1")),
         gpu_source=raw.get("gpu_source", "none"),
-        gpu=GpuSample(**gpu_kwargs),  # type: ignore[arg-type]
+        gpu=_decode_gpu(raw),
         engine=EngineSample(**engine_kwargs),  # type: ignore[arg-type]
         prefix_cache_hit_rate=_float(raw, "prefix_cache_hit_rate"),
+    )
+
+
+def _decode_gpu(raw: Mapping[str, str]) -> GpuSample:
+    gpu_kwargs: dict[str, object] = {}
+    for name, key in _GPU_FIELDS.items():
+        if name == "util_kind":
+            gpu_kwargs[name] = raw.get(key, "utilization")
+        elif name == "lost":
+            gpu_kwargs[name] = raw.get(key) == "1"
+        else:
+            value = _float(raw, key)
+            gpu_kwargs[name] = int(value) if value is not None and name in _INT_FIELDS else value
+    return GpuSample(**gpu_kwargs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class GpuRecord:
+    """What the node agent publishes about one endpoint's GPUs, for the endpoint's sidecar to merge."""
+
+    endpoint_id: str
+    reported_at: float
+    interval: float
+    source: str  # nvml | dcgm
+    gpu: GpuSample  # aggregated over the pod's GPUs; gpu.count says how many
+    node: str = ""
+    namespace: str = ""
+    gpu_uuids: tuple[str, ...] = ()
+    schema: int = SCHEMA_VERSION
+
+
+def encode_gpu_record(record: GpuRecord) -> dict[str, str]:
+    out: dict[str, str] = {}
+    _put(out, "schema", record.schema)
+    _put(out, "endpoint_id", record.endpoint_id)
+    _put(out, "reported_at", repr(record.reported_at))
+    _put(out, "interval", record.interval)
+    _put(out, "source", record.source)
+    _put(out, "node", record.node)
+    _put(out, "namespace", record.namespace)
+    _put(out, "gpu_uuids", ",".join(record.gpu_uuids))
+    _put_gpu(out, record.gpu)
+    return out
+
+
+def decode_gpu_record(raw: Mapping[str, str]) -> GpuRecord:
+    """A GPU record from Redis hash fields. Raises SchemaMismatch for another version, ValueError (or
+    KeyError) if malformed: an unknown source, a non-finite time or interval."""
+    schema = raw.get("schema")
+    if schema != str(SCHEMA_VERSION):
+        raise SchemaMismatch(f"GPU record schema {schema!r}, this agent reads {SCHEMA_VERSION}")
+    source = raw.get("source", "")
+    if source not in GPU_RECORD_SOURCES:
+        raise ValueError(f"GPU record source {source!r} is none of {', '.join(GPU_RECORD_SOURCES)}")
+    reported_at, interval = _float(raw, "reported_at"), _float(raw, "interval")
+    if reported_at is None or interval is None or interval <= 0:
+        raise ValueError("GPU record without a finite reported_at and a positive interval")
+    uuids = raw.get("gpu_uuids", "")
+    return GpuRecord(
+        endpoint_id=raw["endpoint_id"],
+        reported_at=reported_at,
+        interval=interval,
+        source=source,
+        gpu=_decode_gpu(raw),
+        node=raw.get("node", ""),
+        namespace=raw.get("namespace", ""),
+        gpu_uuids=tuple(uuids.split(",")) if uuids else (),
     )

@@ -4,13 +4,29 @@ Each publish replaces the endpoint's hash atomically (MULTI: DEL, HSET, PEXPIRE)
 can no longer read disappears instead of lingering, and the key expires by itself `ttl` after the last
 write: a dead agent's data vanishes rather than misleading routers. Then a PUBLISH on the updates channel
 tells routers to refresh early.
+
+The node agent writes its GPU records the same way, one MULTI per endpoint (an endpoint's key is replaced
+atomically; keys of different endpoints may live on different Redis Cluster slots, so no transaction spans
+two of them). An endpoint whose pod left the node has its record deleted at once rather than left to expire.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable
+
 import redis.asyncio as aioredis
 
-from worker.protocol import UPDATES_CHANNEL, TelemetryRecord, encode, telemetry_key
+from worker.protocol import (
+    GPU_UPDATES_CHANNEL,
+    UPDATES_CHANNEL,
+    GpuRecord,
+    TelemetryRecord,
+    encode,
+    encode_gpu_record,
+    gpu_key,
+    telemetry_key,
+)
 
 
 class RedisPublisher:
@@ -26,3 +42,26 @@ class RedisPublisher:
             pipe.pexpire(key, self._ttl_ms)
             pipe.publish(UPDATES_CHANNEL, record.endpoint_id)
             await pipe.execute()
+
+
+class GpuRecordPublisher:
+    """The node agent's writes: every round, the GPU record of each endpoint on the node."""
+
+    def __init__(self, client: aioredis.Redis, *, ttl: float, node: str) -> None:
+        self._client = client
+        self._ttl_ms = max(1, int(ttl * 1000))
+        self._node = node
+
+    async def _replace(self, record: GpuRecord) -> None:
+        key = gpu_key(record.endpoint_id)
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            pipe.hset(key, mapping=encode_gpu_record(record))
+            pipe.pexpire(key, self._ttl_ms)
+            await pipe.execute()
+
+    async def publish(self, records: Iterable[GpuRecord], gone: Iterable[str] = ()) -> None:
+        """Replace these endpoints' records, delete those of endpoints that left, announce the round."""
+        await asyncio.gather(*(self._replace(record) for record in records),
+                             *(self._client.delete(gpu_key(endpoint_id)) for endpoint_id in gone))
+        await self._client.publish(GPU_UPDATES_CHANNEL, self._node)
