@@ -1,9 +1,10 @@
-"""A fake kubelet PodResources endpoint: a real gRPC server (grpcio) on a unix socket, serving the real
-`v1.PodResourcesLister` service from the same vendored api.proto the node agent's client uses.
+"""A fake kubelet PodResources endpoint: a real gRPC server (grpcio) on a unix socket, serving the
+`v1.PodResourcesLister` service (its `List`, the method the node agent calls) from worker/podresources/api.proto,
+on the kubelet's wire format.
 
 Tests say which pod's container holds which devices (`assign`), take pods away (`remove`), and stop or
-start the server (a kubelet restart recreates its socket). `List`, `Get` and `GetAllocatableResources` answer
-as the kubelet does (pkg/kubelet/apis/podresources/server_v1.go): `Get` of an unknown pod is NOT_FOUND.
+start the server (a kubelet restart recreates its socket). `List` answers every pod of the node, as the kubelet
+does.
 """
 
 from __future__ import annotations
@@ -49,16 +50,6 @@ class FakePodResources(api_pb2_grpc.PodResourcesListerServicer):
     async def List(self, request, context):  # noqa: N802 - the gRPC method's name
         self.list_calls += 1
         return api_pb2.ListPodResourcesResponse(pod_resources=[self._pod(ns, pod) for ns, pod in self._pods])
-
-    async def Get(self, request, context):  # noqa: N802
-        if (request.pod_namespace, request.pod_name) not in self._pods:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"pod {request.pod_name} in namespace {request.pod_namespace} not found")
-        return api_pb2.GetPodResourcesResponse(pod_resources=self._pod(request.pod_namespace, request.pod_name))
-
-    async def GetAllocatableResources(self, request, context):  # noqa: N802
-        ids = [i for pod in self._pods.values() for devs in pod.values() for res, dev in devs if res == GPU for i in dev]
-        return api_pb2.AllocatableResourcesResponse(devices=[api_pb2.ContainerDevices(resource_name=GPU, device_ids=ids)])
 
     async def start(self) -> None:
         self._server = grpc.aio.server()

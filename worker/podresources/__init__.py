@@ -1,9 +1,10 @@
 """The kubelet's PodResources API (v1): which pod and container holds which device on this node.
 
-Every kubelet serves the gRPC service `v1.PodResourcesLister` (api.proto here, vendored unchanged from
-k8s.io/kubelet) on the unix socket /var/lib/kubelet/pod-resources/kubelet.sock (on by default since
-Kubernetes 1.15, GA in 1.28: KEP-606). `List` answers every pod of the node with, per container, the
-devices that device plugins allocated to it. For NVIDIA's device plugin (k8s-device-plugin) a device is:
+Every kubelet serves the gRPC service `v1.PodResourcesLister` (api.proto here: fleetroute's own
+description of the one method it calls, wire-compatible with k8s.io/kubelet's) on the unix socket
+/var/lib/kubelet/pod-resources/kubelet.sock (on by default since Kubernetes 1.15, GA in 1.28: KEP-606).
+`List` answers every pod of the node with, per container, the devices that device plugins allocated to it.
+For NVIDIA's device plugin (k8s-device-plugin) a device is:
 
     resource_name  nvidia.com/gpu, a renamed or shared resource (nvidia.com/gpu.shared), or a MIG profile
                    (nvidia.com/mig-1g.10gb)
