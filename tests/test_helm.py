@@ -7,8 +7,9 @@ What is checked:
   KEDA, Gateway API, GPU telemetry from NVML or DCGM);
 - every rendered built-in object against the Kubernetes OpenAPI schemas (`kubernetes-validate`, strict:
   unknown fields are errors), RoutingPolicy objects against the CRD's openAPIV3Schema and CEL rules, and the
-  other projects' kinds (ServiceMonitor, PrometheusRule, ScaledObject, HTTPRoute) against their CRDs
-  (tests/data/crds/; tests/fake_crd.py: jsonschema and cel-python);
+  other projects' kinds (ServiceMonitor, PodMonitor, PrometheusRule, ScaledObject, HTTPRoute) against our
+  own short CRDs of the fields the chart uses, checked against those projects' API references
+  (tests/data/crds/; tests/fake_crd.py: jsonschema and cel-python; unknown fields are refused);
 - the router ConfigMap is accepted by the router's own `parse_settings`, with the environment and Secret files
   its pod gives it;
 - the contracts between objects that no schema sees: probes on the admin port, termination grace above
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import hashlib
 import importlib.util
 import json
@@ -62,9 +64,9 @@ from tests.helm_chart import router_config as _router_config
 from tests.helm_chart import template as _template
 from tests.helm_chart import values as _values
 
-# CRDs of the other projects' kinds the chart can render (excerpts: one version, no descriptions), which
-# kubernetes-validate does not know.
-VENDORED_CRDS = sorted((ROOT / "tests" / "data" / "crds").glob("*.yaml"))
+# The other projects' kinds the chart can render, which kubernetes-validate does not know: our own CRDs of the
+# fields the chart uses (each file's header names the documentation it was checked against).
+FOREIGN_CRDS = sorted((ROOT / "tests" / "data" / "crds").glob("*.yaml"))
 CUSTOM_API_VERSIONS = {"monitoring.coreos.com/v1", "keda.sh/v1alpha1", "gateway.networking.k8s.io/v1"}
 
 
@@ -96,7 +98,8 @@ def test_every_object_validates_against_kubernetes_schemas(rendered, values):
 
 def _crd_errors(crd, obj: dict) -> list[str]:
     """What the API server would answer creating `obj`: its schema and CEL rules (tests/fake_crd.py), plus the
-    CEL rules on array items, which FakeCRD does not walk into (HTTPRoute's backendRefs have some)."""
+    CEL rules on array items, which FakeCRD does not walk into (HTTPRoute's backendRefs have some). `obj` is
+    left as it is (admission defaults a copy)."""
     def items_rules(schema: dict, value: object, path: str) -> list[str]:
         errors = []
         if isinstance(value, dict):
@@ -108,6 +111,7 @@ def _crd_errors(crd, obj: dict) -> list[str]:
                 errors += crd._cel(schema["items"], item, f"{path}[{i}]") + items_rules(schema["items"], item, f"{path}[{i}]")
         return errors
 
+    obj = copy.deepcopy(obj)
     return crd.admit(obj) or items_rules(crd.schema, obj, "")
 
 
@@ -116,7 +120,7 @@ def crds():
     from tests.fake_crd import FakeCRD
 
     found = {}
-    for path in VENDORED_CRDS:
+    for path in FOREIGN_CRDS:
         crd = FakeCRD(path)
         found[(f"{crd.crd['spec']['group']}/{crd.crd['spec']['versions'][0]['name']}", crd.crd["spec"]["names"]["kind"])] = crd
     return found
@@ -136,13 +140,22 @@ def test_custom_resources_are_well_formed(rendered, crds, values):
             assert FakeCRD(CRD).admit(obj) == [], f"{obj['metadata']['name']} is refused by the CRD"
         elif obj["apiVersion"] in CUSTOM_API_VERSIONS:
             crd = crds.get((obj["apiVersion"], obj["kind"]))
-            assert crd is not None, f"no vendored CRD for {obj['apiVersion']} {obj['kind']} in tests/data/crds/"
+            assert crd is not None, f"no CRD for {obj['apiVersion']} {obj['kind']} in tests/data/crds/ (write one)"
             assert _crd_errors(crd, obj) == [], f"{obj['kind']}/{obj['metadata']['name']} is refused by its CRD"
 
 
-def test_vendored_crds_refuse_what_their_api_servers_refuse(rendered, crds):
+def test_foreign_crds_are_crds_the_api_server_accepts():
+    from tests.fake_crd import crd_problems
+
+    for path in FOREIGN_CRDS:
+        crd = yaml.safe_load(path.read_text())
+        kubernetes_validate.validate(crd, KUBE_VERSIONS[0], strict=True)
+        assert crd_problems(crd) == [], path.name  # structural, CEL rules that compile
+
+
+def test_foreign_crds_refuse_what_their_api_servers_refuse(rendered, crds):
     # The checks above can fail: a ScaledObject threshold that is a number, not a string; an HTTPRoute
-    # backend without a port; a backendRequest timeout longer than the request's.
+    # backend without a port; a backendRequest timeout longer than the request's; a misspelt field.
     objs = rendered["keda-values"]
     scaled = json.loads(json.dumps(_one(objs, "ScaledObject", f"{RELEASE}-fleetroute-chat")))
     scaled["spec"]["triggers"][0]["metadata"]["threshold"] = 4
@@ -155,6 +168,14 @@ def test_vendored_crds_refuse_what_their_api_servers_refuse(rendered, crds):
     slow = json.loads(json.dumps(route))
     slow["spec"]["rules"][0]["timeouts"] = {"request": "10s", "backendRequest": "20s"}
     assert _crd_errors(crd, slow)
+    # A typo in a template is an unknown field, which the API server refuses (strict field validation).
+    monitor = json.loads(json.dumps(_one(rendered["gpu-telemetry-nvml-values"], "PodMonitor")))
+    monitor["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["targetLable"] = "node"
+    assert "Additional properties are not allowed ('targetLable' was unexpected)" in \
+        "".join(_crd_errors(crds[("monitoring.coreos.com/v1", "PodMonitor")], monitor))
+    rule = json.loads(json.dumps(_one(rendered["monitoring-values"], "PrometheusRule")))
+    rule["spec"]["groups"][0]["rules"][0]["for"] = "2 minutes"
+    assert _crd_errors(crds[("monitoring.coreos.com/v1", "PrometheusRule")], rule)
 
 
 def _parse_as_the_router_pod(objs: list[dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
