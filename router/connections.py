@@ -46,7 +46,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import orjson
-from aiohttp import web
+from aiohttp import StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
@@ -187,7 +187,7 @@ class ConnectionGuard:
 class ClientConnection(web.RequestHandler):
     """aiohttp's per-connection protocol, plus the caps and the header and keep-alive timers."""
 
-    __slots__ = ("_guard", "_peer", "_phase", "_timer", "_admitted")
+    __slots__ = ("_guard", "_peer", "_phase", "_timer", "_admitted", "_unread")
 
     def __init__(self, manager: web.Server, *, guard: ConnectionGuard, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -196,6 +196,7 @@ class ClientConnection(web.RequestHandler):
         self._phase = HEADER
         self._timer: asyncio.TimerHandle | None = None
         self._admitted = False
+        self._unread: StreamReader | None = None  # a body left unread by its handler, which aiohttp drains
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -211,7 +212,8 @@ class ClientConnection(web.RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._phase is REFUSED:
             return  # read and dropped: closing with unread data would reset the connection, losing our answer
-        if self._phase is IDLE and data:
+        if self._phase is IDLE and data and (self._unread is None or self._unread.is_eof()):
+            self._unread = None
             self._arm(HEADER, self._guard.timeouts.header)  # the next request's first byte
         super().data_received(data)
 
@@ -241,7 +243,10 @@ class ClientConnection(web.RequestHandler):
 
     def log_access(self, request: web.BaseRequest, response: web.StreamResponse, time: float | None) -> None:
         # aiohttp calls this once a response has been written (or the client has left): idle from here on.
+        # What still arrives of a body the handler did not read (a 401 or a 413 answered without it) is drained
+        # by aiohttp, for at most its lingering time: those bytes are not the next request's.
         self._arm(IDLE, self._guard.timeouts.keep_alive)
+        self._unread = None if request.content.is_eof() else request.content
         super().log_access(request, response, time)
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,

@@ -126,6 +126,24 @@ async def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_time
     assert sample(text, 'fleetroute_client_timeouts_total{listener="ingress",phase="header"}') == 0
 
 
+async def test_a_body_sent_after_its_answer_is_not_taken_for_a_slow_request_head(make_engine, make_router,
+                                                                                   http) -> None:
+    # A 404 answered before its body arrived: aiohttp drains the body afterwards. Those bytes must not start
+    # the header timer (a false "too slow" for a client that then simply idles).
+    engine = await make_engine("gpu-0")
+    router = await make_router([engine], limits={**FAST, "keepAliveTimeout": "300ms"})
+    reader, writer = await connect(router.ingress_url)
+    writer.write(post_head(10).replace(b"/v1/chat/completions", b"/v1/nope"))
+    status, _, _ = await read_response(reader)
+    assert status == 404
+    writer.write(b"0123456789")  # the body, late
+    assert await closed_by_server(reader) == b""
+    writer.close()
+    text = await metrics(http, router)
+    assert sample(text, 'fleetroute_client_timeouts_total{listener="ingress",phase="keepalive"}') == 1
+    assert sample(text, 'fleetroute_client_timeouts_total{listener="ingress",phase="header"}') == 0
+
+
 async def test_a_slow_stream_is_not_cut_by_the_client_timeouts(make_engine, make_router, http) -> None:
     # The client timers stop while a request is being handled: a stream held by the engine for longer than
     # every client timeout still completes.
