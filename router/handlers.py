@@ -593,17 +593,20 @@ def _set_state(state: EndpointState) -> Callable[[web.Request], Awaitable[web.Re
 
 
 def add_ingress_routes(app: web.Application) -> None:
+    # Every route's Expect handler is the router's: 100 Continue only after the checks (for the inference
+    # routes, which read a body), and an unknown expectation answered in the OpenAI shape.
     for path in INFERENCE_PATHS:
-        app.router.add_post(path, inference, expect_handler=expect_handler)  # 100 Continue only after the checks
-    app.router.add_get("/v1/models", list_models)
+        app.router.add_post(path, inference, expect_handler=expect_handler)
+    app.router.add_get("/v1/models", list_models, expect_handler=expect_handler)
 
 
 def add_admin_routes(app: web.Application) -> None:
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/admin/endpoints", list_endpoints)
-    app.router.add_post("/admin/endpoints/{id}/drain", _set_state(EndpointState.DRAINING))
-    app.router.add_post("/admin/endpoints/{id}/resume", _set_state(EndpointState.SERVING))
-    app.router.add_get("/admin/decisions", list_decisions)
-    app.router.add_get("/admin/decisions/{id}", get_decision)
+    routes = app.router
+    routes.add_get("/metrics", metrics, expect_handler=expect_handler)
+    routes.add_get("/healthz", healthz, expect_handler=expect_handler)
+    routes.add_get("/readyz", readyz, expect_handler=expect_handler)
+    routes.add_get("/admin/endpoints", list_endpoints, expect_handler=expect_handler)
+    routes.add_post("/admin/endpoints/{id}/drain", _set_state(EndpointState.DRAINING), expect_handler=expect_handler)
+    routes.add_post("/admin/endpoints/{id}/resume", _set_state(EndpointState.SERVING), expect_handler=expect_handler)
+    routes.add_get("/admin/decisions", list_decisions, expect_handler=expect_handler)
+    routes.add_get("/admin/decisions/{id}", get_decision, expect_handler=expect_handler)

@@ -209,6 +209,9 @@ async def test_100_continue_comes_only_after_the_checks_and_expect_is_not_forwar
     assert (await first_head(keyed.ingress_url, no_key)).startswith(b"HTTP/1.1 401")
     status, answer = await _raw(router.ingress_url, _post(URL, b"Expect: teapot\r\n", body))
     assert status == 417 and json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "expectation_failed"
+    status, answer = await _raw(router.admin_url, b"GET /healthz HTTP/1.1\r\nHost: r\r\nExpect: teapot\r\n"
+                                                  b"Connection: close\r\n\r\n")
+    assert status == 417 and json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "expectation_failed"
     assert len(engine.requests) == 1
 
 
