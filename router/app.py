@@ -24,8 +24,18 @@ from router import auth
 from router.admission import Admission
 from router.background import contained
 from router.balancer import Balancer
+from router.connections import (
+    ConnectionGuard,
+    ListenerSite,
+    connection_budget,
+    descriptor_limit,
+    handler_options,
+    raise_descriptor_limit,
+)
 from router.context import CONTEXT, RouterContext
+from router.errors import SERVER_NAME
 from router.explain import DecisionLog, ExplainSettings
+from router.forwarding import Forwarding
 from router.handlers import add_admin_routes, add_ingress_routes, openai_errors
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
@@ -71,7 +81,7 @@ def build_context(
                             permission=auth.explain_permission(settings.auth))
     return RouterContext(
         settings=settings, metrics=metrics, loads=loads, balancer=balancer, registry=registry, admission=admission,
-        decisions=decisions, clock=clock, rng=rng,
+        decisions=decisions, clock=clock, rng=rng, forwarding=Forwarding(settings.listen.trusted_proxies),
     )
 
 
@@ -91,7 +101,7 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
     )
     ctx.proxy = Proxy(session=session, loads=ctx.loads, metrics=ctx.metrics,
-                      credentials=auth.upstream_credentials(ctx.settings.auth))
+                      credentials=auth.upstream_credentials(ctx.settings.auth), forwarding=ctx.forwarding)
     ctx.http = session
     telemetry = ctx.settings.telemetry
     sync_health_checks(ctx)
@@ -253,7 +263,8 @@ def apply_settings(ctx: RouterContext, new: Settings) -> None:
     """Apply a reloaded configuration live: policies, static endpoints and per-request limits. Addresses,
     Redis, telemetry and worker count need a restart; a change to them rejects the whole reload."""
     old = ctx.settings
-    fixed = ("listen", "admin", "redis", "telemetry", "workers", "auth", "max_header_bytes", "discovery", "control")
+    fixed = ("listen", "admin", "redis", "telemetry", "workers", "auth", "max_header_bytes", "client_timeouts",
+             "discovery", "control")
     changed = [name for name in fixed if getattr(old, name) != getattr(new, name)]
     if changed:
         raise ReloadRejected(f"these settings need a restart: {', '.join(changed)}")
@@ -357,7 +368,15 @@ def build_apps(ctx: RouterContext) -> tuple[web.Application, web.Application]:
     admin = web.Application(middlewares=[openai_errors, *auth.admin_middlewares(ctx.settings.auth, ctx.metrics)])
     admin[CONTEXT] = ctx
     add_admin_routes(admin)
+    for app in (ingress, admin):
+        app.on_response_prepare.append(_server_header)
     return ingress, admin
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response, proxied ones included, names the router without versions (aiohttp's default names
+    the Python and aiohttp versions, and an engine's would name its server)."""
+    response.headers["Server"] = SERVER_NAME
 
 
 @dataclass
@@ -369,6 +388,7 @@ class RunningRouter:
     admin_url: str
     ingress_runner: web.AppRunner
     admin_runner: web.AppRunner
+    connections: dict[str, ConnectionGuard]  # per listener: open connections, caps and timeouts
 
     async def close(self) -> None:
         self.ctx.draining = True
@@ -387,20 +407,33 @@ def _bound_port(runner: web.AppRunner) -> int:
 async def start_router(ctx: RouterContext, *, reuse_port: bool = False) -> RunningRouter:
     settings = ctx.settings
     ingress, admin = build_apps(ctx)
-    ingress_runner = web.AppRunner(
-        ingress,
-        access_log=None,  # our access log is structured and written by the handler
-        handler_cancellation=True,  # a client disconnect cancels the handler, which cancels upstream
-        shutdown_timeout=settings.shutdown_grace,
-        **auth.server_options(settings.max_header_bytes),  # header size limits, no header bytes in logs
-    )
-    admin_runner = web.AppRunner(admin, access_log=None, shutdown_timeout=1.0,
-                                 **auth.server_options(settings.max_header_bytes))
+    # handler_cancellation: a client disconnect cancels the handler, which cancels upstream. No aiohttp
+    # access log: ours is structured and written by the handler.
+    ingress_runner = web.AppRunner(ingress, access_log=None, handler_cancellation=True,
+                                   shutdown_timeout=settings.shutdown_grace)
+    admin_runner = web.AppRunner(admin, access_log=None, shutdown_timeout=1.0)
+    # Header size limits and no header bytes in logs (router.auth), the client timeouts (router.connections).
+    options = handler_options(settings.client_timeouts, auth.server_options(settings.max_header_bytes))
+    admin_guard = ConnectionGuard(listener="admin", max_connections=settings.admin.max_connections
+                                  or connection_budget(descriptor_limit(), 0),
+                                  max_per_client=settings.admin.max_connections_per_client,
+                                  timeouts=settings.client_timeouts, metrics=ctx.metrics)
+    budget = connection_budget(descriptor_limit(), admin_guard.max_connections)
+    ingress_cap = settings.listen.max_connections or budget
+    if ingress_cap > budget:
+        log.warning("listen.maxConnections is above what this process's descriptor limit leaves for the ingress; "
+                    "a flood could take the descriptors the admin listener and the engines need",
+                    extra={"max_connections": ingress_cap, "budget": budget, "descriptor_limit": descriptor_limit()})
+    ingress_guard = ConnectionGuard(listener="ingress", max_connections=ingress_cap,
+                                    max_per_client=settings.listen.max_connections_per_client,
+                                    timeouts=settings.client_timeouts, metrics=ctx.metrics, forwarding=ctx.forwarding)
     await ingress_runner.setup()
     await admin_runner.setup()
     try:
-        await web.TCPSite(ingress_runner, settings.listen.host, settings.listen.port, reuse_port=reuse_port).start()
-        await web.TCPSite(admin_runner, settings.admin.host, settings.admin.port, reuse_port=reuse_port).start()
+        await ListenerSite(ingress_runner, settings.listen, guard=ingress_guard, handler_options=options,
+                           reuse_port=reuse_port).start()
+        await ListenerSite(admin_runner, settings.admin, guard=admin_guard, handler_options=options,
+                           reuse_port=reuse_port).start()
     except OSError:
         await ingress_runner.cleanup()
         await admin_runner.cleanup()
@@ -413,6 +446,7 @@ async def start_router(ctx: RouterContext, *, reuse_port: bool = False) -> Runni
         admin_url=f"http://{admin_host}:{_bound_port(admin_runner)}",
         ingress_runner=ingress_runner,
         admin_runner=admin_runner,
+        connections={"ingress": ingress_guard, "admin": admin_guard},
     )
 
 
@@ -436,6 +470,7 @@ def reload_from(ctx: RouterContext, path: str) -> None:
 async def serve(settings: Settings, *, reuse_port: bool = False, config_path: str | None = None) -> None:
     """Run a router until SIGTERM or SIGINT, then drain: readiness fails first, in-flight requests finish.
     SIGHUP reloads `config_path` live."""
+    raise_descriptor_limit()  # before the connection budget is computed from it
     ctx = build_context(settings)
     running = await start_router(ctx, reuse_port=reuse_port)
     stop = asyncio.Event()
@@ -454,6 +489,8 @@ async def serve(settings: Settings, *, reuse_port: bool = False, config_path: st
             "models": list(ctx.balancer.models()),
             "policies": [p.name for p in settings.policies] or ["default"],
             "presets": {p.name: p.preset for p in settings.policies if p.preset},
+            "max_connections": {name: guard.max_connections for name, guard in running.connections.items()},
+            "descriptor_limit": descriptor_limit(),
         },
     )
     try:

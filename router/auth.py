@@ -17,8 +17,8 @@
   admin route except the probes and the scrape (`/metrics`, `/healthz`, `/readyz`) needs
   `Authorization: Bearer <token>`. Deny by default: a route added later is protected without a change here.
 - **Header limits**: aiohttp's parser limits, set explicitly (`limits.maxHeaderBytes` per header line and
-  for the request line, 128 header lines). Past them the client gets a plain 400 from aiohttp before any
-  handler runs.
+  for the request line, 128 header lines). Past them the client gets a 400 before any handler runs (in the
+  OpenAI shape, without the offending bytes: router/connections.py).
 - **No secrets in logs**: keys are held only as hashes or with `repr=False`, never logged, never echoed in
   an error. aiohttp logs a request it cannot parse with a traceback quoting the offending bytes (an
   oversized or malformed `Authorization` header among them); `ProtocolLog` logs one line with the error's

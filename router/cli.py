@@ -10,10 +10,13 @@ from typing import Any
 
 ROUTER_EPILOG = """\
 configuration (YAML; every field optional except endpoints' id/url/models and policies' name):
-  listen:   {host: 0.0.0.0, port: 8080}        OpenAI-compatible ingress (/v1/...)
-  admin:    {host: 127.0.0.1, port: 9090, tokenEnv: FLEETROUTE_ADMIN_TOKEN}
+  listen:   {host: 0.0.0.0, port: 8080, maxConnections: auto, maxConnectionsPerClient: 0,
+             trustedProxies: []}               OpenAI-compatible ingress (/v1/...); auto: from the descriptor
+                                               limit, leaving room for admin and engines; per client: 0 = no
+                                               cap; X-Forwarded-* believed only from trustedProxies (CIDRs)
+  admin:    {host: 127.0.0.1, port: 9090, tokenEnv: FLEETROUTE_ADMIN_TOKEN, maxConnections: 64}
                                                /metrics, /healthz, /readyz, /admin/*; a set token guards
-                                               all but the first three
+                                               all but the first three; its own connection budget
   endpoints:                                   static discovery
     - {id: gpu-0, url: http://10.0.0.5:8000, models: [llama-3-8b], weight: 1}
                                                weight: relative capacity (H100 beside A100: ~1.8)
@@ -70,7 +73,9 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
              fallbackKey: "body:user", maxSessions: 10000, window: 32}
                                                request cost = prefillWeight * prompt + predicted output
                                                tokens; on when present or used by loadUnit/order
-  limits: {maxBodyBytes: 16777216, maxHeaderBytes: 8190}
+  limits: {maxBodyBytes: 16777216, maxHeaderBytes: 8190, headerTimeout: 30s, bodyTimeout: 60s,
+           keepAliveTimeout: 75s}              client connections: request head, each body read, idle
+                                               between requests (both listeners)
   telemetry: {enabled: true, interval: 1s, staleAfter: 5s, timeout: 500ms, gpuSource: none}
   redis: {url: redis://redis:6379/0}           default $REDIS_URL; url: null turns Redis off. With Redis:
                                                agents' telemetry, shared session pins, in-flight

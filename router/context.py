@@ -7,6 +7,7 @@ process, each with its own clock, random source and metrics registry.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -22,7 +23,9 @@ from router.balancer import Balancer
 from router.cost import CostModel
 from router.departures import EndpointStateOwner
 from router.explain import DecisionLog
+from router.forwarding import Forwarding
 from router.loads import LoadTracker
+from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
 from router.policies.registry import PolicyRegistry
 from router.prefix_upkeep import PrefixUpkeep
@@ -62,6 +65,9 @@ class RouterContext:
     control: RoutingPolicyController | None = None  # while RoutingPolicies are watched (router.control)
     retry_budget: RetryBudget = field(init=False)
     access_log: AccessLog = field(default_factory=AccessLog)
+    forwarding: Forwarding = field(default_factory=Forwarding)  # whose X-Forwarded-* to believe (listen.trustedProxies)
+    # Log lines about what clients send (refused bodies): a client can repeat them at will.
+    client_log: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(logging.getLogger("fleetroute.handlers")))
     cost: CostModel = field(default_factory=CostModel)  # output-length predictors (policies with estimates)
     # Set (and replaced) after each telemetry round has been applied: lets tests and tools wait for fresh
     # telemetry instead of sleeping.

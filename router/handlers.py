@@ -1,18 +1,20 @@
 """HTTP handlers: the OpenAI-compatible ingress (`/v1/*`) and the admin surface (`/metrics`, probes,
 `/admin/*`).
 
-One inference request: check the size, parse the JSON, check the model, estimate its cost when the
-model's policy does (router/cost.py), pick an endpoint through the policy, forward and stream (`proxy`),
-then count and log it, and teach the cost model the answer's output tokens. A connection failure (the request
-never left) is retried on another endpoint, up to the policy's `retries.attempts`. Every error the
-router produces itself is in the OpenAI shape (`errors`), and every unexpected exception becomes a 500 in
-that shape plus a log line, never a stack trace to the client.
+One inference request: read the body (router/request_body.py: size, timeout, encodings, `Expect`), parse the
+JSON, check the model, estimate its cost when the model's policy does (router/cost.py), pick an endpoint
+through the policy, forward and stream (`proxy`), then count and log it, and teach the cost model the
+answer's output tokens. A connection failure (the request never left) is retried on another endpoint, up
+to the policy's `retries.attempts`. Every error the router produces itself is in the OpenAI shape (`errors`),
+client input it quotes is clipped (`errors.clip`), and every unexpected exception becomes a 500 in that shape
+plus a log line, never a stack trace to the client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -22,20 +24,26 @@ import orjson
 from aiohttp import web
 
 from router.admission import AdmissionSettings
+from router.connections import ClientConnection
 from router.context import CONTEXT, RouterContext
 from router.cost import CostEstimate, CostSettings, relative_error
-from router.errors import error_response
+from router.errors import clip, error_response
 from router.explain import Attempt, Decision
 from router.model import EndpointState, EndpointView, RequestInfo
 from router.output_tokens import OutputCounter
 from router.policies.base import MAX_LISTED, DecisionTrace
 from router.policies.consistent_hash import load_bound
 from router.proxy import Outcome, UpstreamFailed
+from router.request_body import BodyRejected, expect_handler, read_body
 from router.sticky import StickyTable
 
 log = logging.getLogger("fleetroute.handlers")
 
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# A client's X-Request-Id is kept (it is forwarded, returned and logged) only when it looks like an id: at most
+# 128 characters, none that could break a log line or a header. Anything else is replaced by a generated one.
+REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+=@-]{0,127}$")
+MAX_LISTED_MODELS = 20  # models a model_not_found message lists
 
 
 def _reject(ctx: RouterContext, status: int, message: str, *, code: str, param: str | None = None,
@@ -75,7 +83,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     # perf_counter, not loop.time(): uvloop's clock has millisecond resolution, too coarse for TTFB.
     started = time.perf_counter()
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = request_id_of(request)
     served = Served()
     try:
         await _serve(request, ctx, request_id, started, served)
@@ -89,6 +97,12 @@ async def inference(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         _record(ctx, request, request_id, served, time.perf_counter() - started)
+
+
+def request_id_of(request: web.Request) -> str:
+    """The client's X-Request-Id when it is a plausible id, else a new one."""
+    given = request.headers.get("x-request-id")
+    return given if given and REQUEST_ID.match(given) else uuid.uuid4().hex
 
 
 def _record(ctx: RouterContext, request: web.Request, request_id: str, served: Served, duration: float) -> None:
@@ -109,7 +123,7 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
             "request_id": request_id,
             "method": request.method,
             "path": request.path,
-            "model": served.requested_model,
+            "model": clip(served.requested_model),
             "endpoint": endpoint,
             "status": status,
             "attempts": served.attempts,
@@ -117,7 +131,7 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
             "duration_ms": round(duration * 1000, 3),
             "upstream_error": outcome.error if outcome else None,
             "failure": type(served.failure).__name__ if served.failure else None,
-            "client": request.remote,
+            "client": ctx.forwarding.client(request),  # behind trusted proxies: the address they forwarded
         }
         if served.decision is not None:
             fields["decision_id"] = served.decision.id  # the routing record: /admin/decisions/{id}
@@ -165,14 +179,20 @@ def _learn_cost(ctx: RouterContext, served: Served, status: int) -> tuple[int | 
 
 
 async def _serve(request: web.Request, ctx: RouterContext, request_id: str, started: float, served: Served) -> None:
-    limit = ctx.settings.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        served.response = _too_large(ctx, limit)
+    bad_header = _undecodable_header(request)
+    if bad_header is not None:
+        served.response = _reject(ctx, 400, f"header {clip(bad_header, 64)} holds bytes that are not UTF-8; the "
+                                            "router forwards header values unchanged or not at all",
+                                  code="invalid_header_value", param=clip(bad_header, 64))
         return
     try:
-        body = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        served.response = _too_large(ctx, limit)
+        body = await read_body(request, limit=ctx.settings.max_body_bytes, timeout=ctx.settings.client_timeouts.body,
+                               on_timeout=lambda: _body_timed_out(request))
+    except BodyRejected as exc:
+        ctx.metrics.rejected.labels(exc.code).inc()
+        ctx.client_log.log(logging.INFO, (exc.code,), "request body refused", code=exc.code, reason=str(exc),
+                           client=ctx.forwarding.client(request))
+        served.response = exc.response
         return
     try:
         payload = orjson.loads(body)
@@ -190,9 +210,12 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     served.requested_model = model  # for the access log; metric labels only ever carry served models
     balancer = ctx.balancer
     if not balancer.serves(model):
-        available = ", ".join(balancer.models()) or "none"
+        models = balancer.models()
+        available = ", ".join(models[:MAX_LISTED_MODELS]) or "none"
+        if len(models) > MAX_LISTED_MODELS:
+            available += f" and {len(models) - MAX_LISTED_MODELS} more (GET /v1/models)"
         served.response = _reject(
-            ctx, 404, f"The model `{model}` does not exist. Available models: {available}",
+            ctx, 404, f"The model `{clip(model)}` does not exist. Available models: {available}",
             code="model_not_found", param="model",
         )
         return
@@ -313,7 +336,7 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
 # Below this much time left before `timeouts.total`, no new attempt is started.
 MIN_ATTEMPT_SECONDS = 0.05
 # Outcomes that count against an endpoint (a client disconnect does not).
-FAILURE_KINDS = frozenset({"timeout", "idle_timeout", "total_timeout", "disconnect"})
+FAILURE_KINDS = frozenset({"timeout", "idle_timeout", "total_timeout", "disconnect", "invalid_response"})
 
 
 def _failed_response(model: str, failure: UpstreamFailed, tried: frozenset[str]) -> web.Response:
@@ -411,8 +434,22 @@ def explain_attempt(ctx: RouterContext, decision: Decision, model: str, view: En
     return decision.add(Attempt(view.id if view is not None else None, trace, reasons, ctx.balancer.pool_report(model)))
 
 
-def _too_large(ctx: RouterContext, limit: int) -> web.Response:
-    return _reject(ctx, 413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+def _undecodable_header(request: web.Request) -> str | None:
+    """The name of a header whose value is not UTF-8, or None. aiohttp keeps such bytes as surrogates, which
+    its client cannot send: they would be dropped silently (`caf\\xe9` reaching the engine as `caf`)."""
+    for name, value in request.headers.items():
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return name
+    return None
+
+
+def _body_timed_out(request: web.Request) -> None:
+    protocol = request.protocol
+    if isinstance(protocol, ClientConnection):
+        protocol.guard.timed_out("body", request.remote)
 
 
 def _rounded(value: float | None) -> float | None:
@@ -435,11 +472,13 @@ async def openai_errors(
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
         return _reject(
-            request.app[CONTEXT], 405, f"method {request.method} is not allowed on {request.path} (allowed: {allowed})",
+            request.app[CONTEXT], 405,
+            f"method {clip(request.method, 32)} is not allowed on {clip(request.path)} (allowed: {allowed})",
             code="method_not_allowed", headers={"Allow": allowed},
         )
     except web.HTTPNotFound:
-        return _reject(request.app[CONTEXT], 404, f"no such route: {request.method} {request.path}", code="not_found")
+        return _reject(request.app[CONTEXT], 404, f"no such route: {clip(request.method, 32)} {clip(request.path)}",
+                       code="not_found")
     except web.HTTPException:
         raise
     except asyncio.CancelledError:
@@ -547,24 +586,27 @@ def _set_state(state: EndpointState) -> Callable[[web.Request], Awaitable[web.Re
         ctx = request.app[CONTEXT]
         endpoint_id = request.match_info["id"]
         if not ctx.balancer.set_state(endpoint_id, state):
-            return error_response(404, f"unknown endpoint {endpoint_id!r}", code="endpoint_not_found")
+            return error_response(404, f"unknown endpoint {clip(endpoint_id, 64)!r}", code="endpoint_not_found")
         return web.json_response({"id": endpoint_id, "state": state.value})
 
     return handler
 
 
 def add_ingress_routes(app: web.Application) -> None:
+    # Every route's Expect handler is the router's: 100 Continue only after the checks (for the inference
+    # routes, which read a body), and an unknown expectation answered in the OpenAI shape.
     for path in INFERENCE_PATHS:
-        app.router.add_post(path, inference)
-    app.router.add_get("/v1/models", list_models)
+        app.router.add_post(path, inference, expect_handler=expect_handler)
+    app.router.add_get("/v1/models", list_models, expect_handler=expect_handler)
 
 
 def add_admin_routes(app: web.Application) -> None:
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/admin/endpoints", list_endpoints)
-    app.router.add_post("/admin/endpoints/{id}/drain", _set_state(EndpointState.DRAINING))
-    app.router.add_post("/admin/endpoints/{id}/resume", _set_state(EndpointState.SERVING))
-    app.router.add_get("/admin/decisions", list_decisions)
-    app.router.add_get("/admin/decisions/{id}", get_decision)
+    routes = app.router
+    routes.add_get("/metrics", metrics, expect_handler=expect_handler)
+    routes.add_get("/healthz", healthz, expect_handler=expect_handler)
+    routes.add_get("/readyz", readyz, expect_handler=expect_handler)
+    routes.add_get("/admin/endpoints", list_endpoints, expect_handler=expect_handler)
+    routes.add_post("/admin/endpoints/{id}/drain", _set_state(EndpointState.DRAINING), expect_handler=expect_handler)
+    routes.add_post("/admin/endpoints/{id}/resume", _set_state(EndpointState.SERVING), expect_handler=expect_handler)
+    routes.add_get("/admin/decisions", list_decisions, expect_handler=expect_handler)
+    routes.add_get("/admin/decisions/{id}", get_decision, expect_handler=expect_handler)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import orjson
 
@@ -35,3 +37,36 @@ def configure_logging(level: str) -> None:
     root.setLevel(level.upper())
     # aiohttp's own access log is replaced by ours (richer, JSON); its errors still show.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+class RateLimitedLog:
+    """At most one line per key every `interval` seconds, for events a client or a failing endpoint can
+    repeat at will (refused connections, timeouts, unreachable endpoints). The next line after a quiet spell
+    says how many were left out (`suppressed`); the metrics count every one."""
+
+    def __init__(self, logger: logging.Logger, *, interval: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic, max_keys: int = 1024) -> None:
+        self._logger = logger
+        self._interval = interval
+        self._clock = clock
+        self._max_keys = max_keys
+        self._last: dict[Hashable, float] = {}
+        self._suppressed: dict[Hashable, int] = {}
+
+    def warning(self, key: Hashable, msg: str, **fields: Any) -> None:
+        self.log(logging.WARNING, key, msg, **fields)
+
+    def log(self, level: int, key: Hashable, msg: str, **fields: Any) -> None:
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self._interval:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        if last is None and len(self._last) >= self._max_keys:  # bounded, whatever the keys
+            self._last.clear()
+            self._suppressed.clear()
+        self._last[key] = now
+        suppressed = self._suppressed.pop(key, 0)
+        if suppressed:
+            fields["suppressed"] = suppressed
+        self._logger.log(level, msg, extra=fields)

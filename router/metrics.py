@@ -129,7 +129,8 @@ class RouterMetrics:
             "fleetroute_upstream_errors",
             "Failures talking to endpoints, by kind: connect, connect_timeout, timeout (no response headers within "
             "firstByte), http_5xx, total_timeout, "
-            "idle_timeout (a stream stalled), disconnect (endpoint closed mid-response), client_disconnect.",
+            "idle_timeout (a stream stalled), disconnect (endpoint closed mid-response), invalid_response (its "
+            "response was not valid HTTP: an oversized header, a malformed chunk), client_disconnect.",
             ["endpoint", "kind"],
             registry=r,
         )
@@ -143,7 +144,8 @@ class RouterMetrics:
             "fleetroute_rejected_requests",
             "Requests refused by the router itself, by reason (invalid_json, missing_model, "
             "model_not_found, body_too_large, method_not_allowed, not_found, no_endpoint, invalid_api_key, "
-            "invalid_admin_token).",
+            "invalid_admin_token, request_timeout, invalid_body, invalid_body_encoding, "
+            "unsupported_content_encoding, expectation_failed, invalid_header_value).",
             ["reason"],
             registry=r,
         )
@@ -476,6 +478,30 @@ class RouterMetrics:
         self.prefix_sharing_errors = Counter(
             "fleetroute_prefix_sharing_errors",
             "Failed exchanges of prefix blocks through Redis (retried with backoff; routing goes on locally).",
+            registry=r,
+        )
+        # Client connections on the two listeners (router/connections.py): caps and read timeouts.
+        self.client_connections = Gauge(
+            "fleetroute_client_connections",
+            "Client connections open, by listener (ingress, admin).",
+            ["listener"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.client_connections_rejected = Counter(
+            "fleetroute_client_connections_rejected",
+            "Client connections refused at once (503 or 429, then closed), by listener and reason: total (the "
+            "listener held maxConnections) or per_client (the client address held maxConnectionsPerClient).",
+            ["listener", "reason"],
+            registry=r,
+        )
+        self.client_timeouts = Counter(
+            "fleetroute_client_timeouts",
+            "Client connections closed, or requests refused with 408, for taking too long, by listener and phase: "
+            "header (the request head was not complete within limits.headerTimeout), body (a read of the request "
+            "body waited limits.bodyTimeout), keepalive (idle for limits.keepAliveTimeout between requests: the "
+            "normal end of a keep-alive connection).",
+            ["listener", "phase"],
             registry=r,
         )
         # The families whose series name an endpoint, with the position of that label. prometheus-client has no

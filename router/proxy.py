@@ -3,7 +3,8 @@
 - Bodies are never buffered: every chunk read from the engine (`readany`, whatever arrived) is written to
   the client at once, so SSE tokens reach the client when the engine emits them.
 - Hop-by-hop headers (RFC 9110 section 7.6.1, plus any named in `Connection`) are not forwarded in either
-  direction; `Host` and `Content-Length` are set for the new hop. Compressed bodies pass through as bytes.
+  direction; `Host` and `Content-Length` are set for the new hop; the forwarding headers follow the
+  trusted-proxy rule (router/forwarding.py). Response bodies pass through as bytes, compressed or not.
 - The request counts as in flight at its endpoint until the body ends (`LoadTracker.track`), with its
   predicted cost in tokens when it has one.
 - With an `OutputCounter` (requests with a cost estimate), every chunk is also shown to it, unchanged, so
@@ -11,29 +12,43 @@
 - Timeouts: `connect`; `firstByte` until the response headers; `idle` between two body chunks.
 - If the client goes away mid-stream (aiohttp cancels the handler, or a write fails), the upstream
   connection is closed, which makes vLLM abort the request and free its batch slot and KV cache.
+- If the engine's connection ends mid-body (it closed, or sent bytes that are not HTTP, such as a malformed
+  chunk), the client's stream ends at once with an error event, and the request's slot is freed.
+- What reaches the client never names the engine's host or port, nor quotes its bytes (an oversized header
+  may hold a session cookie): those go to the log, at most one line per endpoint and kind every 10 s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import io
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from router.errors import error_response
+from router.errors import clip, error_response
 from router.explain import EXPLAIN_HEADER
+from router.forwarding import Forwarding
 from router.loads import LoadTracker
+from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
 from router.model import EndpointView
 from router.output_tokens import OutputCount, OutputCounter
 from router.prefill import Prefill
 from router.settings import Timeouts
+
+if TYPE_CHECKING:
+    from aiohttp.client_proto import ResponseHandler
 
 log = logging.getLogger("fleetroute.proxy")
 
@@ -44,18 +59,21 @@ HOP_BY_HOP = frozenset(
         "TE", "Trailer", "Transfer-Encoding", "Upgrade",
     )
 )
-# Set again for the next hop by aiohttp itself. Content-Encoding too: aiohttp's server has already decoded a
-# compressed request body, and the decoded bytes are what is forwarded. The explain header is the router's
-# own (and its value may be the admin token): it never reaches an engine, whoever sent it.
-_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding", EXPLAIN_HEADER}
+# Set again for the next hop by aiohttp itself. Content-Encoding too: the router has already decoded a
+# compressed request body (router/request_body.py), and the decoded bytes are what is forwarded. Expect too:
+# the router answered `100-continue` itself and sends the engine a complete request (as Envoy does unless
+# proxy_100_continue). The explain header is the router's own (and its value may be the admin token): it
+# never reaches an engine, whoever sent it.
+_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "content-encoding", "expect", EXPLAIN_HEADER}
 _NOT_FORWARDED_DOWN = HOP_BY_HOP | {"content-length"}
 ENDPOINT_HEADER = "x-fleetroute-endpoint"
+LARGE_BODY = 1 << 20  # aiohttp.payload.TOO_LARGE_BYTES_BODY
 
 
 class UpstreamFailed(Exception):
     """The endpoint failed before any byte reached the client, so another endpoint may be tried.
     `kind` is the failure's kind for metrics and outlier detection: connect, connect_timeout, timeout or
-    http_5xx."""
+    http_5xx. The message is fit for the client (the endpoint's id, never its address); the log has the rest."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -88,15 +106,13 @@ def _strip(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[
 
 
 def upstream_headers(
-    request: web.Request, request_id: str, credentials: Callable[[CIMultiDict[str]], None] | None = None
+    request: web.Request, request_id: str, credentials: Callable[[CIMultiDict[str]], None] | None = None,
+    forwarding: Forwarding | None = None,
 ) -> CIMultiDict[str]:
     headers = _strip(request.headers, _NOT_FORWARDED_UP)
     if credentials is not None:
         credentials(headers)  # router.auth: drop the client's key, or send the engines' instead
-    peer = request.remote or ""
-    prior = headers.get("X-Forwarded-For")
-    headers["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
-    headers.setdefault("X-Forwarded-Proto", request.scheme)
+    (forwarding or Forwarding()).rewrite(request, headers)
     headers["X-Request-Id"] = request_id
     return headers
 
@@ -104,12 +120,15 @@ def upstream_headers(
 class Proxy:
     def __init__(
         self, *, session: aiohttp.ClientSession, loads: LoadTracker, metrics: RouterMetrics,
-        credentials: Callable[[CIMultiDict[str]], None] | None = None,
+        credentials: Callable[[CIMultiDict[str]], None] | None = None, forwarding: Forwarding | None = None,
     ) -> None:
         self._session = session
         self._credentials = credentials
+        self._forwarding = forwarding or Forwarding()
         self._loads = loads
         self._metrics = metrics
+        self._log = RateLimitedLog(log)  # a dead or misbehaving endpoint must not flood the log
+        self._losses = ConnectionLosses()
 
     async def forward(
         self,
@@ -149,18 +168,24 @@ class Proxy:
                     upstream = await self._session.request(
                         request.method,
                         url,
-                        data=body,
-                        headers=upstream_headers(request, request_id, self._credentials),
+                        # aiohttp warns (ResourceWarning) about bytes bodies over 1 MiB and wants them as a stream,
+                        # which it writes in 64 KiB pieces, yielding between them.
+                        data=body if len(body) <= LARGE_BODY else io.BytesIO(body),
+                        headers=upstream_headers(request, request_id, self._credentials, self._forwarding),
                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect),
                         allow_redirects=False,
                     )
             except aiohttp.ClientConnectorError as exc:
                 errors.labels(endpoint_id, "connect").inc()
-                raise UpstreamUnreachable("connect", str(exc)) from exc
+                self._failed(endpoint_id, "connect", exc)
+                raise UpstreamUnreachable("connect", f"endpoint {endpoint_id} refused or dropped the connection") \
+                    from exc
             except aiohttp.ConnectionTimeoutError as exc:
                 # No connection within `connect` (a blackholed pod IP): the request never left either.
                 errors.labels(endpoint_id, "connect_timeout").inc()
-                raise UpstreamUnreachable("connect_timeout", f"no connection within {timeouts.connect:g}s") from exc
+                self._failed(endpoint_id, "connect_timeout", exc)
+                raise UpstreamUnreachable(
+                    "connect_timeout", f"no connection to endpoint {endpoint_id} within {timeouts.connect:g}s") from exc
             except (TimeoutError, aiohttp.ServerTimeoutError):
                 errors.labels(endpoint_id, "timeout").inc()
                 message = f"endpoint {endpoint_id} did not answer within {header_wait:g}s"
@@ -168,16 +193,13 @@ class Proxy:
                     raise UpstreamFailed("timeout", message) from None
                 return Outcome(error_response(504, message, code="upstream_timeout"), 504, error="timeout")
             except aiohttp.ClientError as exc:
-                errors.labels(endpoint_id, "disconnect").inc()
-                return Outcome(
-                    error_response(
-                        502,
-                        f"endpoint {endpoint_id} failed: {type(exc).__name__}: {exc}",
-                        code="upstream_error",
-                    ),
-                    502,
-                    error="disconnect",
-                )
+                # Its response head was not HTTP (an oversized header, say), or it closed without answering.
+                kind = "invalid_response" if isinstance(exc, aiohttp.ClientResponseError) else "disconnect"
+                errors.labels(endpoint_id, kind).inc()
+                self._failed(endpoint_id, kind, exc)
+                what = "sent an invalid response" if kind == "invalid_response" else "closed the connection"
+                return Outcome(error_response(502, f"endpoint {endpoint_id} {what}", code="upstream_error"), 502,
+                               error=kind)
             if upstream.status >= 500:
                 errors.labels(endpoint_id, "http_5xx").inc()
                 if retryable:
@@ -200,7 +222,9 @@ class Proxy:
         booked: Prefill | None,
         extra_headers: Mapping[str, str] | None = None,
     ) -> Outcome:
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        # The engine's reason phrase is not passed on: it means nothing (RFC 9112 section 4) and it is bytes
+        # from the engine on the status line (aiohttp < 3.13.4 let a CR/LF in it inject headers).
+        response = web.StreamResponse(status=upstream.status)
         response.headers.extend(_strip(upstream.headers, _NOT_FORWARDED_DOWN))
         response.headers[ENDPOINT_HEADER] = endpoint_id
         response.headers["X-Request-Id"] = request_id
@@ -211,6 +235,7 @@ class Proxy:
         outcome = Outcome(response, upstream.status)
         errors = self._metrics.upstream_errors
         clean = False
+        watch = self._losses.watch(upstream)
         try:
             await response.prepare(request)
             content = upstream.content
@@ -245,14 +270,16 @@ class Proxy:
             )
             what = "the request's total time ran out" if total else f"no data for {timeouts.idle:g}s"
             await _end_early(request, response, endpoint_id, what)
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            outcome.error = "disconnect"
-            errors.labels(endpoint_id, "disconnect").inc()
-            log.warning(
-                "upstream closed mid-response; ending the response",
-                extra={"endpoint": endpoint_id, "error": f"{type(exc).__name__}: {exc}"},
-            )
-            await _end_early(request, response, endpoint_id, "the endpoint closed the connection")
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                HttpProcessingError) as exc:
+            # HttpProcessingError: the pure-Python parser's own error for a body that is not HTTP.
+            cause = exc.cause if isinstance(exc, EndpointConnectionLost) else exc
+            outcome.error = "invalid_response" if isinstance(cause, HttpProcessingError) else "disconnect"
+            errors.labels(endpoint_id, outcome.error).inc()
+            self._failed(endpoint_id, outcome.error, cause or exc, mid_response=True)
+            what = ("the endpoint sent an invalid response" if outcome.error == "invalid_response"
+                    else "the endpoint closed the connection")
+            await _end_early(request, response, endpoint_id, what)
         except (ConnectionResetError, asyncio.CancelledError):
             # The client went away. Closing (not releasing) the upstream connection tells the engine to
             # abort the generation instead of computing tokens nobody will read.
@@ -262,11 +289,78 @@ class Proxy:
             if asyncio.current_task().cancelling():  # type: ignore[union-attr]
                 raise
         finally:
+            watch.close()
             if clean:
                 upstream.release()
             else:
                 upstream.close()
         return outcome
+
+    def _failed(self, endpoint_id: str, kind: str, exc: BaseException, *, mid_response: bool = False) -> None:
+        """The log line for a failed endpoint, with what the client is not told (addresses, the engine's bytes,
+        clipped), at most one per endpoint and kind every 10 s."""
+        self._log.warning(
+            (endpoint_id, kind),
+            "endpoint failed mid-response; ending the response" if mid_response else "endpoint failed",
+            endpoint=endpoint_id, kind=kind, error=clip(f"{type(exc).__name__}: {exc}", 300),
+        )
+
+
+class EndpointConnectionLost(aiohttp.ClientPayloadError):
+    """The connection to an endpoint ended before the body being streamed over it did; `cause` is why, when
+    aiohttp knows (an HttpProcessingError for bytes that were not HTTP)."""
+
+    def __init__(self, cause: BaseException | None) -> None:
+        super().__init__("the endpoint's connection ended mid-body")
+        self.cause = cause
+
+
+class _Watch:
+    __slots__ = ("_losses", "_protocol")
+
+    def __init__(self, losses: ConnectionLosses, protocol: ResponseHandler | None) -> None:
+        self._losses, self._protocol = losses, protocol
+
+    def close(self) -> None:
+        if self._protocol is not None:
+            self._losses.streaming.pop(self._protocol, None)
+
+
+class ConnectionLosses:
+    """Fails a response body at once when its connection to the endpoint is lost.
+
+    aiohttp's C response parser closes a connection whose body it cannot parse (a malformed chunk) without
+    failing the body's reader, which then waits for data that will never come: the client's stream hung
+    until the idle timeout (60 s by default), with its slot counted in flight all along. One callback per
+    upstream connection, on the connection's `closed` future, fails whatever body is being streamed over it,
+    with the parser's error as the cause; aiohttp's pure-Python parser raises by itself, and so does a body
+    that has already ended (nothing is being streamed).
+    """
+
+    def __init__(self) -> None:
+        self.streaming: weakref.WeakKeyDictionary[ResponseHandler, aiohttp.StreamReader] = \
+            weakref.WeakKeyDictionary()
+        self._hooked: weakref.WeakSet[ResponseHandler] = weakref.WeakSet()
+
+    def watch(self, upstream: aiohttp.ClientResponse) -> _Watch:
+        connection = upstream.connection
+        protocol = connection.protocol if connection is not None else None
+        closed = protocol.closed if protocol is not None else None
+        if protocol is None or closed is None:  # body already read, or the connection already gone
+            return _Watch(self, None)
+        if protocol not in self._hooked:  # once per connection, not per request: keep-alive reuses it
+            self._hooked.add(protocol)
+            closed.add_done_callback(functools.partial(self._lost, weakref.ref(protocol)))
+        self.streaming[protocol] = upstream.content
+        return _Watch(self, protocol)
+
+    def _lost(self, protocol_ref: weakref.ref[ResponseHandler], closed: asyncio.Future[None]) -> None:
+        if not closed.cancelled():
+            closed.exception()  # the future exists because we asked for it: its outcome is ours to collect
+        protocol = protocol_ref()
+        content = self.streaming.pop(protocol, None) if protocol is not None else None
+        if protocol is not None and content is not None and not content.is_eof():
+            content.set_exception(EndpointConnectionLost(protocol.exception()))
 
 
 async def _end_early(request: web.Request, response: web.StreamResponse, endpoint_id: str, what: str) -> None:

@@ -12,6 +12,7 @@ override the listen and admin addresses (handy in containers).
 from __future__ import annotations
 
 import fnmatch
+import ipaddress
 import math
 import os
 import re
@@ -43,6 +44,7 @@ if TYPE_CHECKING:  # parsed by their own modules, which build on this one's fiel
     from router.explain import ExplainSettings
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_ADMIN_CONNECTIONS = 64  # kubelet probes and a few Prometheus scrapers need a handful
 ENDPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 POLICY_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a Kubernetes object name, for the CRD
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -55,10 +57,39 @@ class ConfigError(ValueError):
         self.path = path
 
 
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+MAX_CONNECTIONS_LIMIT = 1_000_000
+
+
 @dataclass(frozen=True)
 class Address:
+    """A listener: where it binds, and how many client connections it holds (router/connections.py)."""
+
     host: str
     port: int
+    # Client connections open at once, per router process; None: derived from the process's descriptor
+    # limit at start-up (`connections.connection_budget`), so a flood cannot take the descriptors the other
+    # listener, the engines and Redis need.
+    max_connections: int | None = None
+    # Per client address (an IPv6 client: per /64); 0: no per-client cap. Trusted proxies are exempt.
+    max_connections_per_client: int = 0
+    # The ingress only: peers whose X-Forwarded-* headers are believed (router/forwarding.py).
+    trusted_proxies: tuple[IPNetwork, ...] = ()
+
+
+@dataclass(frozen=True)
+class ClientTimeouts:
+    """How long a client connection may take, on both listeners (router/connections.py). Near nginx's
+    defaults (client_header_timeout 60s, client_body_timeout 60s, keepalive_timeout 75s)."""
+
+    # From a connection's first byte (or its opening) to the end of the request head. A real client sends
+    # its head in one or two packets; 30 s (half nginx's) bounds how long a slowloris holds a connection.
+    header: float = 30.0
+    # Between two reads of a request body (nginx's client_body_timeout): a stalled upload gets 408.
+    body: float = 60.0
+    # An idle connection between two requests. Above the 60 s idle timeout of common cloud load balancers,
+    # so one never reuses a connection the router has just closed.
+    keep_alive: float = 75.0
 
 
 @dataclass(frozen=True)
@@ -165,7 +196,8 @@ class DiscoverySettings:
 @dataclass(frozen=True)
 class Settings:
     listen: Address = Address("0.0.0.0", 8080)
-    admin: Address = Address("127.0.0.1", 9090)
+    # The admin listener's own connection budget: /healthz answers while the ingress is flooded.
+    admin: Address = Address("127.0.0.1", 9090, max_connections=DEFAULT_ADMIN_CONNECTIONS)
     endpoints: tuple[Endpoint, ...] = ()
     policies: tuple[PolicySpec, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -177,6 +209,7 @@ class Settings:
     # Seconds to let in-flight requests finish on shutdown.
     shutdown_grace: float = 30.0
     max_header_bytes: int = 8190  # per header line and for the request line (aiohttp parser limits)
+    client_timeouts: ClientTimeouts = ClientTimeouts()
     auth: AuthSettings | None = None  # router.auth; None: no client keys, no admin token
     discovery: DiscoverySettings = DiscoverySettings()
     control: ControlSettings | None = None  # router.control: RoutingPolicy resources; None: file policies only
@@ -276,10 +309,20 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _address(fields: Fields, key: str, default: Address, env_prefix: str, *, others: tuple[str, ...] = ()) -> Address:
+def _address(fields: Fields, key: str, default: Address, env_prefix: str, *, others: tuple[str, ...] = (),
+             ingress: bool = False) -> Address:
     sub = fields.sub(key)
     host = sub.string("host", default.host)
     port = sub.integer("port", default.port, minimum=0, maximum=65535)
+    max_connections = default.max_connections
+    raw = sub.get("maxConnections", "auto")
+    if isinstance(raw, str) and raw != "auto":
+        raise ConfigError(sub.at("maxConnections"), f"must be auto or an integer, got {_show(raw)}")
+    if raw != "auto":
+        max_connections = sub.integer("maxConnections", 0, minimum=1, maximum=MAX_CONNECTIONS_LIMIT)
+    per_client = sub.integer("maxConnectionsPerClient", default.max_connections_per_client, minimum=0,
+                             maximum=MAX_CONNECTIONS_LIMIT)
+    trusted = _trusted_proxies(sub) if ingress else ()
     sub.used.update(others)  # fields another module reads (admin.tokenEnv: router.auth)
     sub.done()
     env_host = os.environ.get(f"{env_prefix}_HOST")
@@ -290,7 +333,26 @@ def _address(fields: Fields, key: str, default: Address, env_prefix: str, *, oth
         if not env_port.isdigit() or int(env_port) > 65535:
             raise ConfigError(f"${env_prefix}_PORT", f"must be a port number, got {env_port!r}")
         port = int(env_port)
-    return Address(host, port)
+    return Address(host, port, max_connections=max_connections, max_connections_per_client=per_client,
+                   trusted_proxies=trusted)
+
+
+def _trusted_proxies(f: Fields) -> tuple[IPNetwork, ...]:
+    """`listen.trustedProxies`: addresses or CIDR networks (`10.0.0.0/8`, `fd00::/8`, `192.0.2.7`)."""
+    networks: list[IPNetwork] = []
+    for path, item in f.items("trustedProxies"):
+        if not isinstance(item, str):
+            raise ConfigError(path, f"must be an IP address or a CIDR network like 10.0.0.0/8, got {_show(item)}")
+        try:
+            networks.append(ipaddress.ip_network(item.strip()))
+        except ValueError:
+            try:
+                hint = f" (did you mean {ipaddress.ip_network(item.strip(), strict=False)}?)"
+            except ValueError:
+                hint = ""
+            raise ConfigError(path, f"must be an IP address or a CIDR network like 10.0.0.0/8, got {_show(item)}"
+                                    f"{hint}") from None
+    return tuple(dict.fromkeys(networks))
 
 
 def _endpoint(path: str, raw: Any) -> Endpoint:
@@ -679,7 +741,7 @@ def default_policy(registry: PolicyRegistry) -> PolicySpec:
 def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings:
     registry = registry or PolicyRegistry()
     top = Fields(raw, "")
-    listen = _address(top, "listen", Settings.listen, "FLEETROUTE_LISTEN")
+    listen = _address(top, "listen", Settings.listen, "FLEETROUTE_LISTEN", ingress=True)
     admin = _address(top, "admin", Settings.admin, "FLEETROUTE_ADMIN", others=("tokenEnv",))
     endpoints = tuple(_endpoint(path, item) for path, item in top.items("endpoints"))
     seen: set[str] = set()
@@ -696,6 +758,11 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     limits = top.sub("limits")
     max_body = limits.integer("maxBodyBytes", DEFAULT_MAX_BODY_BYTES, minimum=1024)
     max_header = limits.integer("maxHeaderBytes", Settings.max_header_bytes, minimum=1024, maximum=65536)
+    client_timeouts = ClientTimeouts(
+        header=limits.duration("headerTimeout", ClientTimeouts.header),
+        body=limits.duration("bodyTimeout", ClientTimeouts.body),
+        keep_alive=limits.duration("keepAliveTimeout", ClientTimeouts.keep_alive),
+    )
     limits.done()
     tel = top.sub("telemetry")
     telemetry = TelemetrySettings(
@@ -737,6 +804,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         workers=workers,
         shutdown_grace=shutdown_grace,
         max_header_bytes=max_header,
+        client_timeouts=client_timeouts,
         auth=auth,
         discovery=discovery,
         control=control,

@@ -7,15 +7,22 @@ the pin is left, and the session re-pinned by the policy, when the endpoint is g
 than `maxLoadFactor` times the pool's mean load.
 
 Pins live in a bounded local table (LRU) and, when Redis is configured, in Redis with the same TTL
-(`fleetroute:v1:sticky:{policy}:{session}`), so every router replica sends a session to the same
+(`fleetroute:v1:sticky:{policy}:{digest}`), so every router replica sends a session to the same
 endpoint and a restarted replica picks its sessions up again. Redis is consulted only on a local miss,
 with a short timeout; writes are fire-and-forget. When Redis fails, stickiness continues on the local
 table (counted and logged once) and Redis is tried again after `retry_after`.
+
+The session key is client input of any length (a `user` field may be megabytes). It is never stored:
+`session_digest` keeps 16 bytes of BLAKE2b of at most its first 512 characters, the same on every replica
+(no secret, no per-process seed), so a pin costs the same whatever the key, and neither the tables nor
+Redis hold a client's identifier. Pins written before this format (keyed by the raw session) are simply not
+found after an upgrade: their sessions are re-pinned once, and the old keys expire with their TTL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import time
@@ -35,6 +42,16 @@ log = logging.getLogger("fleetroute.sticky")
 
 KEY_PREFIX = "fleetroute:v1:sticky:"
 MAX_LOCAL_SESSIONS = 100_000
+# Characters of a session key that count: longer than any id format in use (a UUID is 36, a JWT `sub` a few
+# dozen), short enough that hashing costs nothing. Keys equal in their first 512 characters share a pin.
+MAX_SESSION_CHARS = 512
+_PERSON = b"fleetroute.sess"  # BLAKE2b personalisation: these digests are never confused with another's
+
+
+def session_digest(session: str) -> str:
+    """What a session is pinned under: 32 hex digits, identical on every replica for the same session."""
+    data = session[:MAX_SESSION_CHARS].encode("utf-8", "surrogateescape")
+    return hashlib.blake2b(data, digest_size=16, person=_PERSON).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -46,10 +63,11 @@ class StickinessSettings:
     max_load_factor: float = 2.0
 
     def session(self, req: RequestInfo) -> str | None:
+        """The request's session as the tables know it (`session_digest`), or None without a session key."""
         session = self.key.extract(req)
         if session is None and self.fallback_key is not None:
             session = self.fallback_key.extract(req)
-        return session
+        return session_digest(session) if session is not None else None
 
 
 def within_load_bound(view: EndpointView, pool: tuple[EndpointView, ...], loads: LoadView, factor: float) -> bool:
@@ -78,7 +96,7 @@ class StickyTable:
         self._redis = redis
         self._retry_after = retry_after
         self._clock = clock
-        # session -> (endpoint, last use, last Redis write)
+        # session digest -> (endpoint, last use, last Redis write)
         self._local: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
         self._redis_down_until = 0.0
         self._tasks: set[asyncio.Task[None]] = set()

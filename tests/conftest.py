@@ -9,14 +9,14 @@ from typing import Any
 import aiohttp
 import pytest
 
-# Fixture modules imported by several test modules: rewritten for assertions before any of them imports one
-# (a module's `pytest_plugins` comes too late when another module imported it first).
-pytest.register_assert_rewrite("tests.nvml_fixtures")
-
 from router.app import RunningRouter, build_context, start_router
 from router.settings import parse_settings
 from tests.fake_engine import FakeEngine
 from tests.sim_server import make_sim  # noqa: F401 - a fixture for every test module
+
+# Fixture modules imported by several test modules: rewritten for assertions before any of them imports one
+# (a module's `pytest_plugins` comes too late when another module imported it first).
+pytest.register_assert_rewrite("tests.nvml_fixtures")
 
 MODEL = "llama-3-8b"
 

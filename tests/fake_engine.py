@@ -4,8 +4,8 @@ It answers `/v1/chat/completions`, `/v1/completions` and `/v1/embeddings` (strea
 `data:` event per token and a final `data: [DONE]`, like vLLM), `/v1/models`, `/health` and a `/metrics`
 page with vLLM's gauge names. Tests steer it through attributes: the load it reports, a status to fail
 with, a gate that holds a stream after its first token (to prove the router does not buffer), a hang
-before headers (timeouts), how many tokens to answer a request with, and it records every request and
-whether a stream's client went away.
+before headers (timeouts), how many tokens to answer a request with, bytes that break the chunked encoding
+mid-stream, extra response headers, and it records every request and whether a stream's client went away.
 
 Streams come in two shapes. By default, OpenAI's: the first event carries the role and the first token,
 and an empty `delta: {}` (chat) or `text: ""` (completions) event carries the finish reason. With
@@ -44,6 +44,11 @@ class FakeEngine:
     fail_status: int | None = None  # answer every inference request with this status
     hang: asyncio.Event | None = None  # if set, wait for it before answering (headers included)
     gate: asyncio.Event | None = None  # if set, a stream waits for it after its first token
+    # If set, a stream's first token is followed, once this is set, by bytes that are not chunked encoding
+    # (`zz` is no chunk size), as a broken engine or a middlebox mangling the body would send; the connection
+    # then stays open, silent.
+    malformed_chunk: asyncio.Event | None = None
+    response_headers: dict[str, str] = field(default_factory=dict)  # added to every inference response
     requests: list[dict[str, Any]] = field(default_factory=list)
     stream_aborted: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_sent: asyncio.Event = field(default_factory=asyncio.Event)
@@ -61,7 +66,7 @@ class FakeEngine:
     port: int = 0  # 0: a free port on first start; a restart reuses the same one
 
     async def start(self) -> FakeEngine:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024 * 1024)  # vLLM (uvicorn) sets no body limit
         for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
             app.router.add_post(path, self._inference)
         app.router.add_get("/v1/models", self._models)
@@ -120,7 +125,7 @@ class FakeEngine:
                 "choices": [choice],
                 "usage": self._usage(body, tokens),
             },
-            headers={"x-served-by": self.name},
+            headers={"x-served-by": self.name, **self.response_headers},
         )
 
     def _usage(self, body: dict[str, Any], tokens: list[str]) -> dict[str, int]:
@@ -142,7 +147,8 @@ class FakeEngine:
     async def _stream(
         self, request: web.Request, body: dict[str, Any], tokens: list[str], chat: bool
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-served-by": self.name})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-served-by": self.name,
+                                           **self.response_headers})
         await resp.prepare(request)
         if self.vllm_stream:
             return await self._vllm_stream(request, resp, body, tokens, chat)
@@ -163,6 +169,11 @@ class FakeEngine:
                 await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
                 if i == 0:
                     self.first_token_sent.set()
+                    if self.malformed_chunk is not None:
+                        await self.malformed_chunk.wait()
+                        assert request.transport is not None
+                        request.transport.write(b"zz\r\nnot a chunk\r\n")  # past aiohttp's chunked writer
+                        await asyncio.Event().wait()  # silent until the router hangs up
                     if self.gate is not None:
                         await self.gate.wait()
             final = {"id": f"cmpl-{self.name}", "object": "chat.completion.chunk" if chat else "text_completion",
