@@ -792,3 +792,16 @@ def test_notes_tell_how_to_reach_the_endpoint_and_see_policies(helm):
         notes = out.split("NOTES:", 1)[1]
         assert url in notes and f"kubectl get rp -n {NAMESPACE}" in notes
         assert '"model": "qwen2.5-1.5b-instruct"' in notes
+
+
+def test_trusted_proxies_reach_the_router(helm, tmp_path, monkeypatch):
+    """An ingress controller's network, given as a value, is what the routers believe X-Forwarded-* from."""
+    import ipaddress
+
+    objs = [d for d in yaml.safe_load_all(_template(
+        helm, "--set", "router.trustedProxies={10.42.0.0/16,fd00::/8}")) if d]
+    listen = _parse_as_the_router_pod(objs, tmp_path, monkeypatch).listen
+    assert listen.trusted_proxies == (ipaddress.ip_network("10.42.0.0/16"), ipaddress.ip_network("fd00::/8"))
+    # By default nobody is trusted: the routers write the forwarding headers themselves.
+    assert _parse_as_the_router_pod([d for d in yaml.safe_load_all(_template(helm)) if d], tmp_path / "d",
+                                    monkeypatch).listen.trusted_proxies == ()
