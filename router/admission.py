@@ -24,9 +24,11 @@ request holds a promise of a slot (`pending`) until it runs, so a newcomer canno
 (no barging past the queue). Nothing awaits between `admit()` returning and the forward that marks the
 request in flight, which is what makes the promise hold.
 
-Order: each class has a rank (its position in `classes`, 0 first). With ageing, a request's effective rank
-improves by one class per `agingSeconds` waited, so low requests are delayed, never starved. Comparing
-`rank - waited/aging` between two requests at the same instant is the same as comparing
+Order: each class has a rank, from its `priority` (higher is served first; rank 0 is the highest priority).
+Classes written without priorities rank by their position in `classes` (deprecated: YAML tools and the
+Kubernetes API server reorder mapping keys, so the position is not the order anybody wrote). With ageing, a
+request's effective rank improves by one class per `agingSeconds` waited, so low requests are delayed, never
+starved. Comparing `rank - waited/aging` between two requests at the same instant is the same as comparing
 `rank * aging + enqueued_at`, a key that does not change while they wait: the queue is ordered once, on
 entry, like a virtual-time scheduler (start-time fair queueing), with no re-sorting as time passes. Within a
 class that is arrival order, so one FIFO per class suffices and the next request is the best of the heads.
@@ -82,6 +84,7 @@ DEADLINE_HEADER = "x-request-deadline-ms"
 SHED_STATUSES = (429, 503)
 ORDERS = ("fifo", "shortest-expected-first")
 MAX_CLASSES = 16  # class names are metric label values: keep the cardinality bounded
+MAX_PRIORITY = 1000  # |priority|: a bounded range the CRD can state
 _CLASS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]{0,30}[a-z0-9])?$")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an RFC 9110 token
 
@@ -94,12 +97,13 @@ class PriorityClass:
     name: str
     rank: int  # 0 is served first
     deadline: float  # seconds a request of this class may wait in the queue at most
+    priority: int | None = None  # as written (higher is served first); None: ranked by position (deprecated)
 
 
 DEFAULT_CLASSES = (
-    PriorityClass("high", 0, 30.0),
-    PriorityClass("normal", 1, 60.0),
-    PriorityClass("low", 2, 120.0),
+    PriorityClass("high", 0, 30.0, priority=2),
+    PriorityClass("normal", 1, 60.0, priority=1),
+    PriorityClass("low", 2, 120.0, priority=0),
 )
 
 
@@ -179,24 +183,45 @@ def parse_admission(f: Fields) -> AdmissionSettings:
 
 
 def _classes(f: Fields) -> tuple[PriorityClass, ...]:
+    """`classes: {name: {priority, deadline}}`, ranked by priority (highest first), in whatever order the
+    mapping arrives. Without any priority, ranked by position, with a deprecation warning."""
     raw = f.get("classes")
     if raw is None:
         return DEFAULT_CLASSES
     where = f.at("classes")
     if not isinstance(raw, Mapping) or not raw:
-        problem = f"must be a non-empty mapping of class name to settings, highest first; got {_show(raw)}"
+        problem = f"must be a non-empty mapping of class name to settings ({{priority, deadline}}); got {_show(raw)}"
         raise ConfigError(where, problem)
     if len(raw) > MAX_CLASSES:
         raise ConfigError(where, f"at most {MAX_CLASSES} classes, got {len(raw)}")
-    out = []
-    for rank, (name, body) in enumerate(raw.items()):
+    written = []
+    for name, body in raw.items():
         if not isinstance(name, str) or not _CLASS_NAME.match(name):
             raise ConfigError(f"{where}.{name}", "class names must be lower-case letters, digits, '-' or '_' (1-32)")
         c = Fields(body, f"{where}.{name}")
         deadline = c.duration("deadline", 60.0)
+        priority = None
+        if c.get("priority") is not None:
+            priority = c.integer("priority", 0, minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY)
         c.done()
-        out.append(PriorityClass(name, rank, deadline))
-    return tuple(out)
+        written.append((name, priority, deadline))
+    if all(priority is None for _, priority, _ in written):
+        log.warning("%s: classes ranked by their order in the mapping; give each class a priority (higher is "
+                    "served first): YAML tools and the Kubernetes API server reorder mapping keys", where,
+                    extra={"field": where, "deprecated": "admission.classes without priority"})
+        return tuple(PriorityClass(name, rank, deadline) for rank, (name, _, deadline) in enumerate(written))
+    missing = [name for name, priority, _ in written if priority is None]
+    if missing:
+        raise ConfigError(where, f"every class needs a priority once one has one; missing: {', '.join(missing)}")
+    by_priority: dict[int | None, str] = {}
+    for name, priority, _ in written:
+        if priority in by_priority:
+            raise ConfigError(f"{where}.{name}.priority", f"{priority} is also {by_priority[priority]}'s: "
+                                                           "priorities must differ (they order the classes)")
+        by_priority[priority] = name
+    ranked = sorted(written, key=lambda w: -(w[1] or 0))
+    return tuple(PriorityClass(name, rank, deadline, priority)
+                 for rank, (name, priority, deadline) in enumerate(ranked))
 
 
 class _State(enum.Enum):

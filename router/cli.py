@@ -65,7 +65,8 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
       slowStart: {enabled: true, window: 30s, aggression: 1.0, minWeight: 0.1}
       panicThreshold: 50                       below this % healthy, a pool routes to all its endpoints
       admission: {maxConcurrentPerEndpoint: null, maxQueue: 256, priorityHeader: x-priority,
-                  classes: {high: {deadline: 30s}, normal: {deadline: 60s}, low: {deadline: 120s}},
+                  classes: {high: {priority: 2, deadline: 30s}, normal: {priority: 1, deadline: 60s},
+                            low: {priority: 0, deadline: 120s}},      the higher priority first
                   defaultClass: normal, agingSeconds: 10, shedStatus: 429, retryAfter: 1s,
                   order: fifo}                 or shortest-expected-first (agingTokensPerSecond: 1000)
                                                off unless maxConcurrentPerEndpoint is set

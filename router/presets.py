@@ -16,8 +16,8 @@ every check and error message is the one the parser gives for a hand-written ent
 - Any other value the operator writes replaces the preset's. That includes lists, scalars and `null`, and
   `null` keeps the meaning the parser gives it: `timeouts: {total: null}` means no total limit, and
   `admission: null` drops the preset's admission block, so admission is off.
-- `admission.classes` is replaced whole, never merged. Its keys are ordered (the first class ranks highest),
-  so merging two sets of classes would rank them in an order nobody wrote.
+- `admission.classes` is replaced whole, never merged: merging two sets of classes would mix priorities that
+  were each chosen relative to their own set.
 - Strategy. An operator's `strategy` wins over the preset's. A preset may carry tuned parameter blocks for
   more than one strategy (rag-search has `prefixAware` and `consistentHash`). The expansion keeps only the
   block of the strategy in effect, merged with the operator's block for it, and drops the others. When you
@@ -107,10 +107,11 @@ admission:
   maxQueue: 32                  # small: a request that would wait longer than a short deadline should get its
                                 # 429 now
   defaultClass: high            # chat traffic is interactive unless the client says otherwise
-  classes:                      # highest first; clients mark background work with x-priority: normal or low
-    high: {deadline: 2s}        # a user who sees nothing for 2 s gives up: shed, so the client can retry
-    normal: {deadline: 5s}      # interactive, but not urgent
-    low: {deadline: 10s}        # background work such as chat titles and summaries
+  classes:                      # the higher priority first; clients mark background work with x-priority: normal
+                                # or low
+    high: {priority: 2, deadline: 2s}    # a user who sees nothing for 2 s gives up: shed, so the client can retry
+    normal: {priority: 1, deadline: 5s}  # interactive, but not urgent
+    low: {priority: 0, deadline: 10s}    # background work such as chat titles and summaries
   shedStatus: 429               # "retry shortly": chat clients and the OpenAI SDKs back off and retry on it
   retryAfter: 1s                # slots free up within seconds, as streams end
 """,
@@ -158,10 +159,10 @@ admission:
                                    # job: 5 minutes): long jobs are delayed, never starved
   defaultClass: low                # batch work yields: a request without x-priority ranks below those marked
                                    # normal or high
-  classes:                         # highest first
-    high: {deadline: 5m}           # a job someone is waiting for
-    normal: {deadline: 15m}        # a job wanted soon
-    low: {deadline: 1h}            # bulk work may wait an hour for capacity before it is shed
+  classes:                         # the higher priority first
+    high: {priority: 2, deadline: 5m}     # a job someone is waiting for
+    normal: {priority: 1, deadline: 15m}  # a job wanted soon
+    low: {priority: 0, deadline: 1h}      # bulk work may wait an hour for capacity before it is shed
   agingSeconds: 5m                 # a low job rises one class per 5 minutes waited, so bulk work still progresses
                                    # under a steady stream of higher-priority jobs
   shedStatus: 503                  # "the service is saturated, come back later", not a client-rate 429

@@ -156,7 +156,7 @@ def test_a_full_admission_block_is_parsed() -> None:
         ({"classes": {"gold": {"deadline": "1s"}}}, "policies[0].admission.defaultClass: must be one of the classes (gold); got 'normal'"),
         ({"classes": {}}, "policies[0].admission.classes: must be a non-empty mapping"),
         ({"classes": {"high": {"deadline": "-1s"}}}, "policies[0].admission.classes.high.deadline: must be a positive duration"),
-        ({"classes": {"high": {"timeout": "1s"}}}, "policies[0].admission.classes.high.timeout: unknown field (expected one of: deadline)"),
+        ({"classes": {"high": {"timeout": "1s"}}}, "policies[0].admission.classes.high.timeout: unknown field (expected one of: deadline, priority)"),
         ({"classes": {"High Prio": {}}}, "policies[0].admission.classes.High Prio: class names must be lower-case"),
         ({"priorityHeader": "x priority"}, "policies[0].admission.priorityHeader: must be an HTTP header name"),
         ({"agingSeconds": 0}, "policies[0].admission.agingSeconds: must be a positive duration"),
@@ -702,3 +702,41 @@ def test_shortest_first_queue_keeps_its_order_through_many_removals_from_the_mid
         order.append(w)
         queue.remove(w)
     assert order == remaining
+
+
+def test_classes_rank_by_priority_whatever_their_order_in_the_mapping() -> None:
+    settings = parse_settings(_config({"classes": {"low": {"priority": 1}, "high": {"priority": 9},
+                                                   "normal": {"priority": 5, "deadline": "3s"}}})).policies[0]
+    classes = settings.admission.classes
+    assert [(c.name, c.rank, c.priority) for c in classes] == [("high", 0, 9), ("normal", 1, 5), ("low", 2, 1)]
+    assert settings.admission.classify("normal").deadline == 3.0
+
+
+def test_classes_without_priorities_rank_by_position_with_a_deprecation_warning(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="fleetroute.admission"):
+        settings = parse_settings(_config({"classes": {"low": {}, "high": {}, "normal": {}}})).policies[0]
+    assert [(c.name, c.rank) for c in settings.admission.classes] == [("low", 0), ("high", 1), ("normal", 2)]
+    (record,) = [r for r in caplog.records if "give each class a priority" in r.getMessage()]
+    assert record.getMessage().startswith("policies[0].admission.classes: classes ranked by their order")
+
+
+@pytest.mark.parametrize(
+    ("classes", "message"),
+    [
+        ({"normal": {"priority": 1}, "low": {}}, "admission.classes: every class needs a priority once one has one; "
+                                                 "missing: low"),
+        ({"normal": {"priority": 1}, "low": {"priority": 1}}, "admission.classes.low.priority: 1 is also normal's"),
+        ({"normal": {"priority": 1001}}, "admission.classes.normal.priority"),
+        ({"normal": {"priority": True}}, "admission.classes.normal.priority"),
+    ],
+    ids=["missing", "duplicate", "range", "type"],
+)
+def test_bad_priorities_are_named(classes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_settings(_config({"classes": classes}))
+    assert message in str(info.value)
+
+
+def test_the_default_classes_carry_their_priorities() -> None:
+    assert [(c.name, c.rank, c.priority) for c in AdmissionSettings().classes] == [
+        ("high", 0, 2), ("normal", 1, 1), ("low", 2, 0)]

@@ -266,8 +266,9 @@ async def test_preset_routing_policies_route_as_the_same_file_policies(
         assert balancer.policy_for(model).preset == specs[name]["preset"]
     # A preset's classes keep the ranks they were written in: the router expands it after the API server.
     assert [c.name for c in balancer.policy_for("chat-1").admission.classes] == ["high", "normal", "low"]
-    # Written out in a RoutingPolicy, the same classes rank alphabetically (docs/kubernetes.md warns).
-    assert [c.name for c in balancer.policy_for("written-1").admission.classes] == ["high", "low", "normal"]
+    # Written out in a RoutingPolicy (keys sorted by the API server), the same classes rank the same way: by
+    # their priorities (issue #23: before them, `low` ranked above `normal` here).
+    assert [c.name for c in balancer.policy_for("written-1").admission.classes] == ["high", "normal", "low"]
     registry = router.ctx.metrics.registry
     assert registry.get_sample_value("fleetroute_policy_info", {
         "policy": "rag", "strategy": "consistent-hash", "preset": "rag-search"}) == 1.0
@@ -680,3 +681,37 @@ async def test_without_the_crd_the_router_says_so_and_routes_with_its_file_polic
     assert registry.get_sample_value("fleetroute_routing_policy_up") == 0.0
     assert any("404: is the RoutingPolicy CRD installed?" in r.getMessage() for r in caplog.records)
     assert await chat(http, router) == "vllm-0"  # the file's policies route
+
+
+@pytest.mark.parametrize("seed", range(5))
+async def test_classes_with_priorities_rank_the_same_in_a_file_and_a_routing_policy_in_any_key_order(
+    kube: FakeKube, http: aiohttp.ClientSession, tmp_path: Path, seed: int,
+) -> None:
+    """Issue #23: classes ranked by their position ranked `low` above `normal` once a YAML dumper or the API
+    server sorted the keys. With priorities, the same classes rank the same way whatever order the keys take:
+    shuffled, dumped by a standard YAML dumper (sorted keys) for the file, and round-tripped through the API
+    server's JSON (which stores custom resources with their keys sorted) for the RoutingPolicy."""
+    import random
+
+    from router.control.spec import policy_from_spec
+    from router.policies.registry import PolicyRegistry
+    from router.settings import load_settings
+
+    classes = {"high": {"priority": 100, "deadline": "5s"}, "normal": {"priority": 50},
+               "low": {"priority": 0, "deadline": "2m"}, "batch": {"priority": -10}}
+    names = list(classes)
+    random.Random(seed).shuffle(names)
+    shuffled = {name: classes[name] for name in names}
+    admission = {"maxConcurrentPerEndpoint": 4, "classes": shuffled}
+    config = tmp_path / "router.yaml"
+    config.write_text(yaml.safe_dump({"endpoints": [{"id": "e", "url": "http://127.0.0.1:1", "models": [MODEL]}],
+                                      "policies": [{"name": "chat", "models": [MODEL], "admission": admission}]},
+                                     sort_keys=True))
+    from_file = load_settings(str(config)).policies[0].admission
+    status, stored = await post(http, kube, policy("chat", models=[MODEL], admission=admission))
+    assert status == 201, stored
+    assert list(stored["spec"]["admission"]["classes"]) == sorted(classes)  # the API server's key order
+    _, from_crd = policy_from_spec("chat", stored["spec"], PolicyRegistry())
+    expected = [("high", 0, 5.0), ("normal", 1, 60.0), ("low", 2, 120.0), ("batch", 3, 60.0)]
+    for settings in (from_file, from_crd.admission):
+        assert [(c.name, c.rank, c.deadline) for c in settings.classes] == expected
