@@ -248,9 +248,14 @@ async def test_the_session_cookie_opens_the_page_only_and_posts_need_its_csrf_to
     async with http.post(admin + "/status/logout", headers={**jar, CSRF_HEADER: csrf}) as out:
         assert out.status == 200 and f"{COOKIE}=\"\"" in out.headers["Set-Cookie"]
     assert (await login(http, router, "wrong")).status == 401
+    async with http.post(admin + "/status/login", data="&".join(f"f{i}=x" for i in range(50)),
+                         headers={"Content-Type": "application/x-www-form-urlencoded"}) as odd:
+        assert odd.status == 401  # not a login form: refused like a wrong token, not a 500
+    async with http.post(admin + "/status/login", data=b"token=" + b"x" * 5000) as big:
+        assert big.status == 413
     metrics = router.ctx.metrics.registry
     assert metrics.get_sample_value("fleetroute_status_logins_total", {"result": "success"}) == 1
-    assert metrics.get_sample_value("fleetroute_status_logins_total", {"result": "failure"}) == 1
+    assert metrics.get_sample_value("fleetroute_status_logins_total", {"result": "failure"}) == 2
     assert metrics.get_sample_value("fleetroute_status_feed_requests_total") == 3
     messages = [r.getMessage() for r in caplog.records if r.name == "fleetroute.status"]
     assert "status page login" in messages

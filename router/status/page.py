@@ -154,7 +154,10 @@ async def login(request: web.Request) -> web.StreamResponse:
         body = await read_body(request, limit=MAX_LOGIN_BYTES, timeout=ctx.settings.client_timeouts.body)
     except BodyRejected as exc:
         return exc.response
-    fields = parse_qs(body.decode("utf-8", "replace"), max_num_fields=8)
+    try:
+        fields = parse_qs(body.decode("utf-8", "replace"), max_num_fields=8)
+    except ValueError:  # more fields than a login form has
+        fields = {}
     token = (fields.get("token") or [""])[0].strip()
     client = request.remote or ""
     if not is_admin_token(sessions.auth, token):
