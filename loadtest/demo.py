@@ -9,6 +9,11 @@
 3. Prints one row per policy: requests/s, P50/P99 time to first token, P99 end-to-end, per-replica
    utilisation and its coefficient of variation (spread), then stops every child, also on Ctrl-C.
 
+While it runs, the routers' status page (router/status/) shows the fleet live. Every policy's router listens
+for admin on the same port (chosen once, or `--status-port`), so the URL printed at the start stays valid: the
+page follows from one router to the next and names the policy running. The routers record 5% of their
+routing decisions (`explain.sampleRate`) for the page to list; the same share for every policy.
+
 Times are reported in simulated seconds (wall time / time-scale): what the same fleet on real GPUs would
 show, give or take the router's and this client's own overhead, which the time-scale divides too.
 """
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import socket
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -48,6 +55,7 @@ class DemoOptions:
     load: float = 0.8
     seed: int = 1
     policies: tuple[str, ...] = POLICIES
+    status_port: int = 0  # the routers' admin port, for the status page; 0: a free one, chosen once
 
 
 def parse_fleet(spec: str) -> tuple[str, ...]:
@@ -114,8 +122,27 @@ def render(reports: list[PolicyReport], replicas: list[str], capacity: float, ra
     return "\n".join(lines)
 
 
+STATUS_SAMPLE_RATE = 0.05  # routing decisions each router records for its status page
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def status_extra(port: int) -> dict[str, object]:
+    """What the demo adds to each router's config: one admin port for all, and a few recorded decisions."""
+    return {"admin": {"host": "127.0.0.1", "port": port}, "explain": {"sampleRate": STATUS_SAMPLE_RATE}}
+
+
 async def run_demo(opts: DemoOptions) -> list[PolicyReport]:
     scenario = demo_scenario(opts)
+    status_port = opts.status_port or free_port()
+    login = " (log in with the admin token in $FLEETROUTE_ADMIN_TOKEN)" if os.environ.get(
+        "FLEETROUTE_ADMIN_TOKEN", "").strip() else ""
+    print(f"status page: http://127.0.0.1:{status_port}/status{login}; it follows each policy's router in turn",
+          file=sys.stderr, flush=True)
     capacity = modelled_capacity(scenario)
     rate = opts.load * capacity
     plan = [replace(p, at=p.at * opts.time_scale) for p in build_plan(scenario, rate)]
@@ -132,7 +159,8 @@ async def run_demo(opts: DemoOptions) -> list[PolicyReport]:
             replicas = list(fleet.urls)
             pids = " ".join(str(c.process.pid) for c in fleet.children)
             print(f"fleet ready: {', '.join(fleet.urls)} (pids {pids})", file=sys.stderr, flush=True)
-            _, ingress, _ = await start_router(fleet, entry.config)
+            _, ingress, admin = await start_router(fleet, entry.config, status_extra(status_port))
+            print(f"routing with {entry.label}: status page {admin}/status", file=sys.stderr, flush=True)
             async with aiohttp.ClientSession() as session:
                 before = await fleet.gpu_busy(session)
                 started = time.monotonic()
@@ -171,6 +199,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--time-scale", type=float, default=4.0,
                    help="simulated replicas run this many times slower than real GPUs (default 4)")
     p.add_argument("--seed", type=int, default=1, help="workload and jitter seed (default 1)")
+    p.add_argument("--status-port", type=int, default=0,
+                   help="admin port of every policy's router, where the live status page is (/status); "
+                        "default: a free port, printed at the start")
     p.set_defaults(func=main)
 
 
@@ -187,12 +218,13 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     for name, value, low, high in (("duration", args.duration, 1, 600), ("load", args.load, 0.05, 2.0),
-                                   ("time-scale", args.time_scale, 0.5, 100)):
+                                   ("time-scale", args.time_scale, 0.5, 100),
+                                   ("status-port", args.status_port, 0, 65535)):
         if not low <= value <= high:
             print(f"fleetroute demo: error: --{name} must be between {low} and {high}, got {value}", file=sys.stderr)
             return 2
     opts = DemoOptions(fleet=fleet, time_scale=args.time_scale, duration=args.duration, load=args.load,
-                       seed=args.seed, policies=policies)
+                       seed=args.seed, policies=policies, status_port=args.status_port)
     return asyncio.run(_run(opts))
 
 

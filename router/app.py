@@ -45,6 +45,8 @@ from router.prefix_upkeep import PrefixUpkeep, run_upkeep
 from router.proxy import Proxy
 from router.settings import Settings
 from router.shared_loads import SharedLoads, replica_id
+from router.status.page import add_status_page
+from router.status.sessions import BrowserSessions
 from router.sticky import StickyTable
 from router.telemetry import EmbeddedCollection, MemoryStore, RedisStore, TelemetryFeed, run_feed
 
@@ -365,9 +367,12 @@ def build_apps(ctx: RouterContext) -> tuple[web.Application, web.Application]:
     ingress.cleanup_ctx.append(_prefix_upkeep)  # after _shared_state: it names this replica
     ingress.cleanup_ctx.append(_control)  # last: its policies get the session tables and health checks above
     add_ingress_routes(ingress)
-    admin = web.Application(middlewares=[openai_errors, *auth.admin_middlewares(ctx.settings.auth, ctx.metrics)])
+    sessions = BrowserSessions(ctx.settings.auth)  # the status page's login, accepted on its own routes
+    admin = web.Application(middlewares=[openai_errors, *auth.admin_middlewares(ctx.settings.auth, ctx.metrics,
+                                                                                 browser=sessions)])
     admin[CONTEXT] = ctx
     add_admin_routes(admin)
+    add_status_page(admin, sessions)
     for app in (ingress, admin):
         app.on_response_prepare.append(_server_header)
     return ingress, admin

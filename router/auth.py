@@ -16,6 +16,8 @@
 - **Admin token** (`admin.tokenEnv`, default `FLEETROUTE_ADMIN_TOKEN`): when the variable is set, every
   admin route except the probes and the scrape (`/metrics`, `/healthz`, `/readyz`) needs
   `Authorization: Bearer <token>`. Deny by default: a route added later is protected without a change here.
+  The status page (router/status/) adds one alternative for its own routes only: a session cookie its login
+  form issues after checking the token, with a CSRF token for POSTs (`BrowserAccess`).
 - **Header limits**: aiohttp's parser limits, set explicitly (`limits.maxHeaderBytes` per header line and
   for the request line, 128 header lines). Past them the client gets a 400 before any handler runs (in the
   OpenAI shape, without the offending bytes: router/connections.py).
@@ -38,7 +40,7 @@ import os
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -215,21 +217,41 @@ def client_auth_middleware(settings: AuthSettings, metrics: RouterMetrics) -> An
     return require_api_key
 
 
-def admin_auth_middleware(settings: AuthSettings, metrics: RouterMetrics) -> Any:
-    """Admin middleware requiring the admin token on everything but the probes and `/metrics`."""
+class BrowserAccess(Protocol):
+    """The status page's browser sessions (router/status/sessions.py), as the admin middleware sees them."""
+
+    def public(self, request: web.Request) -> bool:
+        """A route that shows no data and needs no credentials (the login form and its assets)."""
+        ...
+
+    def authenticated(self, request: web.Request) -> bool:
+        """A valid session cookie on one of the page's own routes (and, for a POST, its CSRF token)."""
+        ...
+
+
+def admin_auth_middleware(settings: AuthSettings, metrics: RouterMetrics, browser: BrowserAccess | None = None) -> Any:
+    """Admin middleware requiring the admin token on everything but the probes and `/metrics`; the status
+    page's routes also take its session cookie instead (`browser`)."""
     digest = settings.admin_token_digest
     assert digest is not None
 
     @web.middleware
     async def require_admin_token(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_ADMIN_PATHS:
+        if request.path not in OPEN_ADMIN_PATHS and not (browser is not None and browser.public(request)):
             token = _bearer(request.headers.get("Authorization"))
-            if token is None or not _matches(token, (digest,)):
+            if (token is None or not _matches(token, (digest,))) and not (
+                    browser is not None and browser.authenticated(request)):
                 return _unauthorized(metrics, reason="invalid_admin_token", missing=token is None,
                                      what="admin token")
         return await handler(request)
 
     return require_admin_token
+
+
+def is_admin_token(settings: AuthSettings | None, presented: str) -> bool:
+    """Is `presented` the admin token? Constant time, like every other check here; False when none is set."""
+    digest = settings.admin_token_digest if settings is not None else None
+    return digest is not None and bool(presented) and _matches(presented, (digest,))
 
 
 def upstream_credentials(settings: AuthSettings | None) -> Callable[[CIMultiDict[str]], None] | None:
@@ -320,8 +342,9 @@ def ingress_middlewares(settings: AuthSettings | None, metrics: RouterMetrics) -
     return [client_auth_middleware(settings, metrics)]
 
 
-def admin_middlewares(settings: AuthSettings | None, metrics: RouterMetrics) -> list[Any]:
+def admin_middlewares(settings: AuthSettings | None, metrics: RouterMetrics,
+                      browser: BrowserAccess | None = None) -> list[Any]:
     """Middlewares for the admin app, after `openai_errors` (none when no admin token is set)."""
     if settings is None or settings.admin_token_digest is None:
         return []
-    return [admin_auth_middleware(settings, metrics)]
+    return [admin_auth_middleware(settings, metrics, browser)]

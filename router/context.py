@@ -33,6 +33,7 @@ from router.proxy import Proxy
 from router.retry_budget import RetryBudget
 from router.settings import Settings
 from router.shared_loads import SharedLoads
+from router.status.history import StatusHistory
 from router.sticky import StickyTable
 from router.telemetry import EmbeddedCollection, TelemetryFeed
 
@@ -64,6 +65,7 @@ class RouterContext:
     discovery: KubernetesDiscovery | None = None  # while Kubernetes discovery runs (app start-up to shutdown)
     control: RoutingPolicyController | None = None  # while RoutingPolicies are watched (router.control)
     retry_budget: RetryBudget = field(init=False)
+    status_history: StatusHistory = field(init=False)  # the status page's recent past (router/status/history.py)
     access_log: AccessLog = field(default_factory=AccessLog)
     forwarding: Forwarding = field(default_factory=Forwarding)  # whose X-Forwarded-* to believe (listen.trustedProxies)
     # Log lines about what clients send (refused bodies): a client can repeat them at will.
@@ -77,6 +79,7 @@ class RouterContext:
 
     def __post_init__(self) -> None:
         self.retry_budget = RetryBudget(self.clock)
+        self.status_history = StatusHistory(self.clock)
         self.balancer.departures.owners = self.endpoint_state_owners
 
     def telemetry_round_done(self) -> None:
@@ -90,7 +93,7 @@ class RouterContext:
     def endpoint_state_owners(self) -> list[EndpointStateOwner]:
         """Everything that keeps state per endpoint and must forget an endpoint that leaves, told at once
         (router/departures.py; the load tracker and the metrics are told once nothing is in flight there)."""
-        owners: list[EndpointStateOwner] = [self.balancer, self.admission, *self.sticky.values()]
+        owners: list[EndpointStateOwner] = [self.balancer, self.admission, self.status_history, *self.sticky.values()]
         for owner in (self.telemetry_feed, self.telemetry_collection, self.prefix_upkeep):
             if owner is not None:
                 owners.append(owner)

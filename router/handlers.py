@@ -115,6 +115,11 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
         metrics.child(metrics.request_duration, served.model, endpoint).observe(duration)
         if outcome is not None and outcome.ttfb is not None:
             metrics.child(metrics.time_to_first_byte, served.model, endpoint).observe(outcome.ttfb)
+        if outcome is not None:  # the status page's per-endpoint rates and latencies (router/status/history.py)
+            ctx.status_history.finished(endpoint, status=status, ttfb=outcome.ttfb, duration=duration,
+                                        chunks=outcome.chunks,
+                                        streamed=outcome.chunks > 1
+                                        and outcome.response.content_type == "text/event-stream")
     learned = _learn_cost(ctx, served, status) if served.estimate is not None else None
     if served.decision is not None:
         ctx.decisions.finish(served.decision, status, duration)

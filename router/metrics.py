@@ -504,6 +504,18 @@ class RouterMetrics:
             ["listener", "phase"],
             registry=r,
         )
+        self.status_logins = Counter(
+            "fleetroute_status_logins",
+            "Status page logins (POST /status/login on the admin listener), by result: success (a session cookie "
+            "was issued) or failure (a wrong or missing admin token).",
+            ["result"],
+            registry=r,
+        )
+        self.status_feed_requests = Counter(
+            "fleetroute_status_feed_requests",
+            "Status page data feed requests answered (GET /status/feed): about one per second per open page.",
+            registry=r,
+        )
         # The families whose series name an endpoint, with the position of that label. prometheus-client has no
         # public accessor for a family's label names and series (`_labelnames`, `_metrics`). Its
         # `remove_by_labels` (0.24+) would scan every series once per endpoint that left: 1.5 s for 100 of them

@@ -91,6 +91,7 @@ class Outcome:
     ttfb: float | None = None  # seconds from request start to the first body byte
     error: str | None = None  # upstream error kind, for metrics and the access log
     output: OutputCount | None = None  # with an OutputCounter: what the complete answer held
+    chunks: int = 0  # body chunks forwarded (the status page's inter-token latency: router/status/history.py)
 
 
 def _strip(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -253,6 +254,7 @@ class Proxy:
                         if booked is not None:  # only a stream's first token times prefill; an error is at once
                             self._loads.prefill_done(
                                 booked, timed=upstream.status < 400 and upstream.content_type == "text/event-stream")
+                    outcome.chunks += 1
                     if counter is not None:
                         counter.feed(chunk)
                     await response.write(chunk)

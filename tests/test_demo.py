@@ -9,6 +9,8 @@ import re
 import signal
 import sys
 
+import aiohttp
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -26,19 +28,36 @@ async def _start_demo(*args: str) -> asyncio.subprocess.Process:
     )
 
 
-async def _child_pids(proc: asyncio.subprocess.Process) -> list[int]:
+async def _until(proc: asyncio.subprocess.Process, prefix: str) -> tuple[str, list[str]]:
+    """The first stderr line starting with `prefix`, and the lines before it."""
+    before = []
     async with asyncio.timeout(60):
         while True:
             line = (await proc.stderr.readline()).decode()
-            assert line, "demo exited before its fleet was ready"
-            if line.startswith("fleet ready"):
-                return [int(p) for p in re.search(r"pids ([\d ]+)", line).group(1).split()]
+            assert line, f"demo exited before printing {prefix!r}"
+            if line.startswith(prefix):
+                return line, before
+            before.append(line)
+
+
+async def _child_pids(proc: asyncio.subprocess.Process) -> list[int]:
+    line, _ = await _until(proc, "fleet ready")
+    return [int(p) for p in re.search(r"pids ([\d ]+)", line).group(1).split()]
 
 
 async def test_demo_prints_a_row_per_policy_and_cleans_up() -> None:
     proc = await _start_demo("--duration", "2", "--policies", "round-robin,adaptive")
-    pids = await _child_pids(proc)
+    line, before = await _until(proc, "fleet ready")
+    pids = [int(p) for p in re.search(r"pids ([\d ]+)", line).group(1).split()]
     assert len(pids) == 2
+    # The status page's URL comes first; each policy's router serves it there, naming the policy.
+    url = re.search(r"status page: (http://127\.0\.0\.1:\d+/status)", before[0]).group(1)
+    line, _ = await _until(proc, "routing with round-robin: status page ")
+    assert line.split()[-1] == url
+    async with aiohttp.ClientSession() as http, http.get(url + "/feed") as resp:
+        feed = await resp.json()
+    (model,) = feed["models"]
+    assert model["policy"]["strategy"] == "round-robin" and len(model["endpoints"]) == 2
     out, _ = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 0
     table = out.decode()

@@ -96,5 +96,10 @@ class OutlierDetector:
         state = self._states.get(endpoint_id)
         return state.ejected_until if state is not None else 0.0
 
+    def ejection_reason(self, endpoint_id: str) -> str | None:
+        """The kind of failure that tipped the endpoint's latest ejection (None: never ejected)."""
+        state = self._states.get(endpoint_id)
+        return (state.reason or None) if state is not None else None
+
     def forget(self, endpoint_id: str) -> None:
         self._states.pop(endpoint_id, None)
