@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -342,9 +344,67 @@ def ingress_middlewares(settings: AuthSettings | None, metrics: RouterMetrics) -
     return [client_auth_middleware(settings, metrics)]
 
 
+_UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def _host_is_literal(host: str) -> bool:
+    """Is a Host header's host an IP address or `localhost` (a name no DNS answer can rebind)?"""
+    try:
+        name = urlsplit("//" + host).hostname or ""
+    except ValueError:  # an unbalanced bracket
+        return False
+    if name in ("localhost", "localhost."):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _cross_site(request: web.Request) -> bool:
+    """Did a browser send this on behalf of another site? Browsers say so in `Sec-Fetch-Site` (anything but
+    same-origin, or none for what the user typed); an older one only in `Origin` (a sandboxed page's is "null";
+    a page of the same origin may send "null" too, but those browsers send Sec-Fetch-Site). Tools send neither."""
+    fetch_site = request.headers.get("Sec-Fetch-Site")
+    if fetch_site is not None:
+        return fetch_site not in ("same-origin", "none")
+    origin = request.headers.get("Origin")
+    return origin is not None and (origin == "null" or urlsplit(origin).netloc.lower() != request.host.lower())
+
+
+def browser_guard_middleware(metrics: RouterMetrics, *, token_set: bool) -> Any:
+    """Admin middleware that keeps other web sites out, for an operator's browser is also on the network.
+
+    - A state-changing request (POST: drain, resume) that a browser marks as coming from another site or
+      origin (`Sec-Fetch-Site` other than same-origin, or an `Origin` that is not the request's) gets 403: a page
+      elsewhere cannot drain an endpoint through the operator's browser (cross-site request forgery), with or
+      without an admin token (a form post carries no token, but the status page's cookie would ride along).
+    - Without an admin token, only requests addressed to an IP address or `localhost` are answered, but for the
+      probes and `/metrics`: a page elsewhere that makes its own name resolve to 127.0.0.1 (DNS rebinding)
+      cannot read or change the admin API. With a token, such a page has no token and no cookie of this host.
+    """
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method in _UNSAFE_METHODS and _cross_site(request):
+            metrics.rejected.labels("cross_site").inc()
+            return error_response(403, "cross-site requests may not change the router's state", code="cross_site")
+        if not token_set and request.path not in OPEN_ADMIN_PATHS and not _host_is_literal(request.host):
+            metrics.rejected.labels("untrusted_host").inc()
+            return error_response(403, "without an admin token the admin API answers only requests addressed to "
+                                       "an IP address or localhost", code="untrusted_host")
+        return await handler(request)
+
+    return guard
+
+
 def admin_middlewares(settings: AuthSettings | None, metrics: RouterMetrics,
                       browser: BrowserAccess | None = None) -> list[Any]:
-    """Middlewares for the admin app, after `openai_errors` (none when no admin token is set)."""
+    """Middlewares for the admin app, after `openai_errors`: the browser guard, then the admin token (when one
+    is set)."""
+    token_set = settings is not None and settings.admin_token_digest is not None
+    guard = browser_guard_middleware(metrics, token_set=token_set)
     if settings is None or settings.admin_token_digest is None:
-        return []
-    return [admin_auth_middleware(settings, metrics, browser)]
+        return [guard]
+    return [guard, admin_auth_middleware(settings, metrics, browser)]

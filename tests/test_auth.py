@@ -251,6 +251,56 @@ async def test_without_a_token_the_admin_routes_stay_open(make_engine, make_rout
         assert resp.status == 200
 
 
+@pytest.mark.parametrize("token", [None, ADMIN_TOKEN], ids=["no-token", "token"])
+async def test_another_web_site_cannot_drain_an_endpoint_through_the_operators_browser(
+    make_engine, make_router, http, monkeypatch: pytest.MonkeyPatch, token: str | None,
+) -> None:
+    """A page elsewhere that posts a form (or a fetch) to the admin API from the operator's browser: the
+    browser marks it as cross-site, and the router refuses to change anything (with or without a token: the
+    status page's cookie would ride along with the post)."""
+    if token is None:
+        monkeypatch.delenv("FLEETROUTE_ADMIN_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("FLEETROUTE_ADMIN_TOKEN", token)
+    engine = await make_engine("gpu-0")
+    router = await make_router([engine])
+    auth = _bearer(token) if token else {}
+    drain = router.admin_url + "/admin/endpoints/gpu-0/drain"
+    # Another site; another port of the same host (same-site, not same-origin); a sandboxed page in an old browser.
+    for headers in ({"Origin": "https://evil.example"}, {"Sec-Fetch-Site": "cross-site"},
+                    {"Sec-Fetch-Site": "same-site", "Origin": "http://127.0.0.1:1"}, {"Origin": "null"}):
+        async with http.post(drain, headers={**auth, **headers}) as resp:
+            assert resp.status == 403, headers
+            assert (await resp.json())["error"]["code"] == "cross_site"
+    assert router.ctx.balancer.snapshot.views[0].state.value == "serving"
+    # The same post from the admin listener's own origin (the status page), or from a tool (no Origin), works.
+    host = router.admin_url.split("://", 1)[1]
+    async with http.post(drain, headers={**auth, "Origin": f"http://{host}", "Sec-Fetch-Site": "same-origin"}) as resp:
+        assert resp.status == 200
+    assert router.ctx.balancer.snapshot.views[0].state.value == "draining"
+    registry = router.ctx.metrics.registry
+    assert registry.get_sample_value("fleetroute_rejected_requests_total", {"reason": "cross_site"}) == 4
+
+
+async def test_without_a_token_a_rebound_host_name_reads_nothing(make_engine, make_router, http, monkeypatch) -> None:
+    """DNS rebinding: a page at evil.example makes its name resolve to the router's address and reads the admin
+    API with its own Host. Without a token the admin API answers only IP addresses and localhost; the probes
+    and /metrics stay open to anyone (Prometheus may scrape through a Service name)."""
+    monkeypatch.delenv("FLEETROUTE_ADMIN_TOKEN", raising=False)
+    engine = await make_engine("gpu-0")
+    router = await make_router([engine])
+    port = router.admin_url.rsplit(":", 1)[1]
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example"):
+        async with http.get(router.admin_url + "/admin/endpoints", headers={"Host": host}) as resp:
+            assert resp.status == 403, host
+            assert (await resp.json())["error"]["code"] == "untrusted_host"
+        async with http.get(router.admin_url + "/metrics", headers={"Host": host}) as resp:
+            assert resp.status == 200
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "[::1]", "10.1.2.3:9090"):
+        async with http.get(router.admin_url + "/admin/endpoints", headers={"Host": host}) as resp:
+            assert resp.status == 200, host
+
+
 # ---- header limits, logs, upstream addresses -------------------------------------------------------------
 
 
