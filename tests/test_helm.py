@@ -792,6 +792,7 @@ def test_notes_tell_how_to_reach_the_endpoint_and_see_policies(helm):
         notes = out.split("NOTES:", 1)[1]
         assert url in notes and f"kubectl get rp -n {NAMESPACE}" in notes
         assert '"model": "qwen2.5-1.5b-instruct"' in notes
+        assert "http://127.0.0.1:9090/status" in notes  # the status page, through the metrics port-forward
 
 
 def test_trusted_proxies_reach_the_router(helm, tmp_path, monkeypatch):
