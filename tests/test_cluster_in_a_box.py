@@ -64,6 +64,33 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
         await box.close()
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """What the chart generated, read back as its NOTES tell a user (`kubectl get secret ... -o jsonpath`)."""
+
+    api_key: str
+    admin_token: str
+
+    @property
+    def client(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+
+async def credentials_of(cluster: Cluster) -> Credentials:
+    api_key, admin_token = await cluster.from_notes("API_KEY"), await cluster.from_notes("ADMIN_TOKEN")
+    assert api_key and admin_token, f"the NOTES' commands gave API_KEY={api_key!r} ADMIN_TOKEN={admin_token!r}"
+    return Credentials(api_key, admin_token)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def creds(cluster: Cluster) -> Credentials:
+    return await credentials_of(cluster)
+
+
 def pools() -> dict[str, str]:
     """Pool name -> the first served model name, from the values the cluster was rendered with."""
     return {p["name"]: p["servedModelNames"][0] for p in yaml.safe_load(VALUES.read_text())["pools"]}
@@ -71,18 +98,6 @@ def pools() -> dict[str, str]:
 
 def router_config(cluster: Cluster) -> dict[str, Any]:
     return yaml.safe_load(cluster.rendered_object("ConfigMap", ROUTER)["data"]["router.yaml"])
-
-
-def admin_token(cluster: Cluster) -> str | None:
-    """The admin token the router pods actually got (from the env var the router config names)."""
-    env_name = (router_config(cluster).get("admin") or {}).get("tokenEnv", "FLEETROUTE_ADMIN_TOKEN")
-    router = cluster.pods("router")[0]["metadata"]["name"]
-    return cluster.container_env(router, "router").get(env_name)
-
-
-def admin_headers(cluster: Cluster) -> dict[str, str]:
-    token = admin_token(cluster)
-    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 # ---- a client of the router's Service ---------------------------------------------------------------------
@@ -134,8 +149,10 @@ class Load:
     """`clients` concurrent clients, each sending streaming requests one after another until stopped; a
     bounded loop (at most `limit` requests in all)."""
 
-    def __init__(self, url: str, model: str, *, clients: int = 6, max_tokens: int = 40, limit: int = 2000) -> None:
+    def __init__(self, url: str, model: str, *, headers: dict[str, str], clients: int = 6, max_tokens: int = 40,
+                 limit: int = 2000) -> None:
         self.url, self.model, self.clients, self.max_tokens, self.limit = url, model, clients, max_tokens, limit
+        self.headers = headers
         self.outcomes: list[Outcome] = []
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -149,7 +166,8 @@ class Load:
     async def _client(self) -> None:
         assert self._http is not None
         while not self._stop.is_set() and len(self.outcomes) < self.limit:
-            self.outcomes.append(await chat(self._http, self.url, self.model, max_tokens=self.max_tokens))
+            self.outcomes.append(await chat(self._http, self.url, self.model, max_tokens=self.max_tokens,
+                                            headers=self.headers))
 
     async def wait_for(self, n: int) -> None:
         async with asyncio.timeout(30):
@@ -176,7 +194,10 @@ async def test_the_chart_with_default_values_serves_through_its_service(tmp_path
         values = yaml.safe_load((Path(__file__).parent.parent / "helm" / "fleetroute" / "values.yaml").read_text())
         model = values["pools"][0]["servedModelNames"][0]
         assert box.http is not None
-        outcome = await chat(box.http, box.service_url(ROUTER, "http"), model)
+        url = box.service_url(ROUTER, "http")
+        refused = await chat(box.http, url, model)
+        assert refused.status == 401, f"the chart's router served a client without an API key: {refused}"
+        outcome = await chat(box.http, url, model, headers=(await credentials_of(box)).client)
         assert outcome.complete, outcome
         assert outcome.endpoint == box.pods("worker")[0]["metadata"]["name"]
         assert not box.kube.denied, f"RBAC refused the router: {box.kube.denied}"
@@ -187,14 +208,14 @@ async def test_the_chart_with_default_values_serves_through_its_service(tmp_path
 # ---- 1. every pool ------------------------------------------------------------------------------------------
 
 
-async def test_requests_through_the_routers_service_reach_every_pool(cluster: Cluster) -> None:
+async def test_requests_through_the_routers_service_reach_every_pool(cluster: Cluster, creds: Credentials) -> None:
     url = cluster.service_url(ROUTER, "http")
     assert cluster.http is not None
     for pool, model in pools().items():
         workers = {p["metadata"]["name"] for p in cluster.pods("worker", **{"fleetroute.io/pool": pool})}
         served = set()
         for _ in range(6 * len(workers)):
-            outcome = await chat(cluster.http, url, model)
+            outcome = await chat(cluster.http, url, model, headers=creds.client)
             assert outcome.complete, f"{model} through {url}: {outcome}"
             served.add(outcome.endpoint)
         assert served == workers, f"pool {pool}: requests for {model} reached {served}, its workers are {workers}"
@@ -203,47 +224,50 @@ async def test_requests_through_the_routers_service_reach_every_pool(cluster: Cl
 # ---- 2. the admin API -----------------------------------------------------------------------------------------
 
 
-async def test_admin_calls_without_the_token_are_refused(cluster: Cluster) -> None:
+async def test_admin_calls_without_the_token_are_refused(cluster: Cluster, creds: Credentials) -> None:
     url = cluster.service_url(f"{ROUTER}-metrics", "metrics")
     assert cluster.http is not None
     async with cluster.http.get(f"{url}/metrics") as resp:
         assert resp.status == 200  # Prometheus and the kubelet carry no token
-    async with cluster.http.post(f"{url}/admin/endpoints/x/drain") as resp:
-        unauthenticated_drain = resp.status
-    async with cluster.http.get(f"{url}/admin/endpoints") as resp:
-        unauthenticated = resp.status
-    token = admin_token(cluster)
-    assert unauthenticated in (401, 403) and unauthenticated_drain in (401, 403), (
-        f"the router's admin API answered GET /admin/endpoints with {unauthenticated} and POST .../drain with "
-        f"{unauthenticated_drain} without a token: "
-        + ("the chart gives the router no admin token by default (no FLEETROUTE_ADMIN_TOKEN in the router pods)"
-           if token is None else "the token the chart sets is not enforced"))
-    async with cluster.http.get(f"{url}/admin/endpoints", headers={"Authorization": f"Bearer {token}"}) as resp:
+    calls = [("GET", "/admin/endpoints"), ("POST", "/admin/endpoints/x/drain")]
+    for who, headers in (("no token", {}), ("a wrong token", {"Authorization": "Bearer not-the-token"}),
+                         ("the client API key", creds.client)):
+        for method, path in calls:
+            async with cluster.http.request(method, f"{url}{path}", headers=headers) as resp:
+                assert resp.status in (401, 403), (
+                    f"the router's admin API answered {method} {path} with {resp.status} to {who}: the token the "
+                    "chart generated (Secret " f"{ROUTER}-admin) is not enforced")
+    async with cluster.http.get(f"{url}/admin/endpoints", headers=creds.admin) as resp:
         assert resp.status == 200, await resp.text()
+    # And the OpenAI API refuses a wrong key as it refuses none.
+    outcome = await chat(cluster.http, cluster.service_url(ROUTER, "http"), pools()["chat"],
+                         headers={"Authorization": "Bearer sk-not-a-key"})
+    assert outcome.status == 401, outcome
 
 
 # ---- 3. telemetry through the chart's Redis ----------------------------------------------------------------
 
 
-async def endpoints_seen_by(cluster: Cluster, router_pod: str) -> dict[str, dict[str, Any]]:
+async def endpoints_seen_by(cluster: Cluster, router_pod: str, creds: Credentials) -> dict[str, dict[str, Any]]:
     """A router replica's /admin/endpoints, asked at its pod's admin port."""
     assert cluster.http is not None
     port = cluster.rendered_object("Deployment", ROUTER)["spec"]["template"]["spec"]["containers"][0]["ports"]
     admin = next(p["containerPort"] for p in port if p["name"] == "admin")
     async with cluster.http.get(f"http://{cluster.pod_ip(router_pod)}:{admin}/admin/endpoints",
-                                headers=admin_headers(cluster)) as resp:
+                                headers=creds.admin) as resp:
         assert resp.status == 200, await resp.text()
         return {e["id"]: e for e in (await resp.json())["endpoints"]}
 
 
-async def test_agent_telemetry_reaches_the_routers_and_moves_the_adaptive_policy(cluster: Cluster) -> None:
+async def test_agent_telemetry_reaches_the_routers_and_moves_the_adaptive_policy(cluster: Cluster,
+                                                                                 creds: Credentials) -> None:
     model = pools()["chat"]
     workers = sorted(p["metadata"]["name"] for p in cluster.pods("worker", **{"fleetroute.io/pool": "chat"}))
     loaded, idle = workers
     routers = [p["metadata"]["name"] for p in cluster.pods("router")]
 
     async def views() -> dict[str, dict[str, dict[str, Any]]]:
-        return {r: await endpoints_seen_by(cluster, r) for r in routers}
+        return {r: await endpoints_seen_by(cluster, r, creds) for r in routers}
 
     # Every router has agent telemetry (engine signals through Redis: the chart's gpuSource is none) for every
     # worker.
@@ -276,7 +300,7 @@ async def test_agent_telemetry_reaches_the_routers_and_moves_the_adaptive_policy
                                  f"{ {r: v[loaded]['telemetry'] for r, v in seen.items()} }") from None
         # Through the Service, one request at a time: the adaptive policy sends them to the idle worker.
         url = cluster.service_url(ROUTER, "http")
-        picks = [(await chat(cluster.http, url, model)).endpoint for _ in range(20)]
+        picks = [(await chat(cluster.http, url, model, headers=creds.client)).endpoint for _ in range(20)]
         assert picks.count(idle) >= 16, f"the adaptive policy sent {picks.count(loaded)}/20 to the loaded {loaded}"
     finally:
         for task in hogs:
@@ -321,7 +345,7 @@ async def wait_for_condition(cluster: Cluster, name: str, kind: str, predicate: 
 
 
 async def test_kubectl_apply_of_a_routing_policy_changes_routing_and_reports_status(
-    cluster: Cluster, tmp_path: Path,
+    cluster: Cluster, creds: Credentials, tmp_path: Path,
 ) -> None:
     model = pools()["chat"]
     url = cluster.service_url(ROUTER, "http")
@@ -335,7 +359,8 @@ async def test_kubectl_apply_of_a_routing_policy_changes_routing_and_reports_sta
 
     async def sessions_stick() -> bool:
         for session in range(6):
-            seen = {(await chat(cluster.http, url, model, headers={"x-session-id": f"s-{session}"})).endpoint  # type: ignore[arg-type]
+            seen = {(await chat(cluster.http, url, model,  # type: ignore[arg-type]
+                                headers={**creds.client, "x-session-id": f"s-{session}"})).endpoint
                     for _ in range(4)}
             if len(seen) != 1:
                 return False
@@ -347,22 +372,34 @@ async def test_kubectl_apply_of_a_routing_policy_changes_routing_and_reports_sta
     # A spec the CRD refuses: kubectl apply fails with the API server's message.
     rc, out = await apply(cluster, tmp_path, routing_policy("typo", models=[model], strategy="magic"))
     assert rc != 0 and "spec.strategy" in out, out
-    # A spec the CRD accepts and the router refuses: Accepted=False, and why.
+    # A spec the CRD accepts and the router refuses (only the router sees a preset's values: realtime-chat's
+    # maximum ejection time is below this base): Accepted=False, and why.
     rc, out = await apply(cluster, tmp_path, routing_policy(
-        "bad", models=["other-*"], strategy="round-robin", admission={"defaultClass": "urgent"}))
+        "bad", models=[model], preset="realtime-chat", outlierDetection={"baseEjectionTime": "3m"}))
     assert rc == 0, out
     refused = await wait_for_condition(cluster, "bad", "Accepted", lambda c: c.get("status") == "False")
-    assert refused["reason"] == "Invalid" and "defaultClass" in refused["message"], refused
-    await cluster.kubectl_ok("delete", "routingpolicy", "sessions", "bad", "-n", NS)
+    assert refused["reason"] == "Invalid" and "baseEjectionTime" in refused["message"], refused
+    # One that claims every model, where the chart delegates only its pools' own: refused, and nothing changes.
+    # Named to sort before `sessions`: were it accepted, it would route the chat model round-robin.
+    rc, out = await apply(cluster, tmp_path, routing_policy("all-models", models=["*"], strategy="round-robin"))
+    assert rc == 0, out
+    refused = await wait_for_condition(cluster, "all-models", "Accepted", lambda c: c.get("status") == "False")
+    delegated = router_config(cluster)["control"]["kubernetes"]["allowedModels"]
+    assert refused["reason"] == "ModelsNotDelegated" and "*" in refused["message"], refused
+    ready = await condition(cluster, "all-models", "Ready")
+    assert ready.get("status") == "False", ready
+    assert await sessions_stick(), f"a RoutingPolicy for models outside {delegated} changed routing"
+    await cluster.kubectl_ok("delete", "routingpolicy", "sessions", "bad", "all-models", "-n", NS)
 
 
 # ---- 5. a worker pod deleted under load ---------------------------------------------------------------------
 
 
-async def test_deleting_a_worker_pod_loses_no_request(cluster: Cluster) -> None:
+async def test_deleting_a_worker_pod_loses_no_request(cluster: Cluster, creds: Credentials) -> None:
     model = pools()["chat"]
     victim = sorted(p["metadata"]["name"] for p in cluster.pods("worker", **{"fleetroute.io/pool": "chat"}))[0]
-    async with Load(cluster.service_url(ROUTER, "http"), model, clients=6, max_tokens=120) as load:
+    async with Load(cluster.service_url(ROUTER, "http"), model, headers=creds.client, clients=6,
+                    max_tokens=120) as load:
         await load.wait_for(12)
         await cluster.kubectl_ok("delete", "pod", victim, "-n", NS, "--wait=false")
         deleted_at = time.monotonic()  # the pod is marked: its containers have had their SIGTERM
@@ -380,10 +417,11 @@ async def test_deleting_a_worker_pod_loses_no_request(cluster: Cluster) -> None:
 # ---- 6. a router rollout under load, and a drain ------------------------------------------------------------
 
 
-async def test_a_router_rollout_loses_no_request(cluster: Cluster) -> None:
+async def test_a_router_rollout_loses_no_request(cluster: Cluster, creds: Credentials) -> None:
     model = pools()["chat"]
     old = {p["metadata"]["name"] for p in cluster.pods("router")}
-    async with Load(cluster.service_url(ROUTER, "http"), model, clients=6, max_tokens=40) as load:
+    async with Load(cluster.service_url(ROUTER, "http"), model, headers=creds.client, clients=6,
+                    max_tokens=40) as load:
         await load.wait_for(12)
         await cluster.kubectl_ok("rollout", "restart", f"deployment/{ROUTER}", "-n", NS)
         await cluster.kubectl_ok("rollout", "status", f"deployment/{ROUTER}", "-n", NS, "--timeout=90s",

@@ -1,6 +1,7 @@
 """Cluster in a box: the Helm chart as rendered, applied with real kubectl to the fake API server, and run.
 
-    helm template (real helm, tests/helm_binary.py)
+    helm install --dry-run=client (real helm, tests/helm_binary.py: the manifest `helm template` gives, and the
+    NOTES a user reads after `helm install`)
       -> kubectl apply (real kubectl: the chart's crds/ first, as `helm install` installs them, then the rest)
       -> tests/fake_kube.py in strict mode: namespaces must exist, built-in objects are validated against
          Kubernetes' own schemas (unknown fields refused: kubectl apply's fieldValidation=Strict), a CRD's
@@ -68,6 +69,7 @@ class Cluster:
         self.controllers = Controllers(self.kube, self.network)
         self.proxy = KubeProxy(self.kube)
         self.rendered: list[dict[str, Any]] = []
+        self.notes = ""  # the chart's NOTES.txt as `helm install` prints it
         self.kubectl_env: dict[str, str] = {}
         self.http: aiohttp.ClientSession | None = None
         self.kubelet: Kubelet | None = None
@@ -84,7 +86,7 @@ class Cluster:
                                service_links=self.controllers.service_links)
         home = self.root / "kubectl-home"
         home.mkdir()
-        self.kubectl_env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        self.kubectl_env = {"HOME": str(home), "PATH": f"{KUBECTL.parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
                             "KUBECONFIG": str(self.kube.write_kubeconfig(self.root / "kubeconfig",
                                                                          namespace=self.namespace))}
         self._loop = asyncio.create_task(self._control_loop(), name="cluster control loop")
@@ -103,9 +105,15 @@ class Cluster:
         return self
 
     def render(self) -> str:
+        """The release's manifest, as `helm template` renders it; the NOTES go to `self.notes`. A client-side
+        dry run of `helm install` gives both from one rendering, without a cluster (`lookup` finds nothing, as
+        on a first install)."""
         helm = helm_runner(self.root / "helm-home")
         args = [a for v in self.values for a in ("-f", str(v))]
-        return str(helm("template", self.release, str(CHART), "--namespace", self.namespace, *args).stdout)
+        release = json.loads(helm("install", self.release, str(CHART), "--namespace", self.namespace,
+                                  "--dry-run=client", "--output", "json", *args).stdout)
+        self.notes = str(release["info"].get("notes") or "")
+        return str(release["manifest"])
 
     async def _control_loop(self) -> None:
         assert self.kubelet is not None
@@ -162,6 +170,30 @@ class Cluster:
         if rc != 0:
             raise ClusterError(f"kubectl {' '.join(args)} failed (rc {rc}):\n{out}")
         return out
+
+    async def sh(self, script: str, *, timeout: float = 60.0) -> str:
+        """A shell script as a user at a terminal runs it: kubectl on the PATH, the cluster's kubeconfig."""
+        process = await asyncio.create_subprocess_exec("sh", "-ec", script, env=self.kubectl_env,
+                                                       stdout=asyncio.subprocess.PIPE,
+                                                       stderr=asyncio.subprocess.PIPE)
+        try:
+            async with asyncio.timeout(timeout):
+                out, err = await process.communicate()
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+            raise ClusterError(f"sh -c {script!r} did not finish within {timeout:g}s") from None
+        if process.returncode:
+            raise ClusterError(f"sh -c {script!r} failed (rc {process.returncode}):\n{err.decode()}")
+        return out.decode()
+
+    async def from_notes(self, variable: str) -> str:
+        """What the NOTES' `export VARIABLE=$(kubectl ...)` line sets, run as the NOTES tell a user to."""
+        line = next((line.strip() for line in self.notes.splitlines() if line.strip().startswith(f"export {variable}=")),
+                    None)
+        if line is None:
+            raise ClusterError(f"the chart's NOTES have no `export {variable}=` line:\n{self.notes}")
+        return await self.sh(f'{line}\nprintf %s "${variable}"')
 
     # ---- waiting and looking -----------------------------------------------------------------------------
 
