@@ -43,9 +43,12 @@ Emulations (what a container runtime would give, done otherwise here; each for t
   with a token of the pod's ServiceAccount, the pod's namespace as the context's, and RBAC enforced by the
   fake for that token. A real pod gets the token file and `KUBERNETES_SERVICE_HOST` instead; the client's
   in-cluster loading needs HTTPS and a fixed path, so the kubeconfig path is used.
-- **Time**: probe periods and initial delays, preStop `sleep`s, termination grace periods and crash back-off
-  are multiplied by `time_scale` (0.2: a 5 s readiness period is 1 s) so a test runs in seconds; probe
-  timeouts are not (a loaded two-core machine needs them).
+- **Time**: probe periods and initial delays, preStop `sleep`s and crash back-off are multiplied by
+  `time_scale` (0.2: a 5 s readiness period is 1 s) so a test runs in seconds. Probe timeouts are not (a
+  loaded two-core machine needs them), nor termination grace periods: the processes' own shutdown timers
+  (the router's drainConnections and shutdownGrace) run in real time, and a grace period scaled below them
+  would kill a router mid-drain where a cluster would not. A process that exits when it is done is not
+  slowed by its grace period.
 - **One node** (`node-1`) with room for every pod: GPU requests, nodeSelectors, affinities and taints are not
   scheduled against; resources and securityContext are not enforced.
 """
@@ -170,7 +173,7 @@ class PodRuntime:
         pod = self.kubelet.kube.get("pods", self.namespace, self.name)
         grace = float((pod or {}).get("metadata", {}).get("deletionGracePeriodSeconds",
                                                            self.spec.get("terminationGracePeriodSeconds", 30)))
-        deadline = asyncio.get_running_loop().time() + grace * self.kubelet.time_scale
+        deadline = asyncio.get_running_loop().time() + grace
         for task in self.tasks:
             if task.get_name() != "readinessProbe":  # readiness keeps running while the pod terminates
                 task.cancel()
@@ -429,8 +432,7 @@ class PodRuntime:
         log.warning("container %s/%s: %s; restarting it", self.name, c.name, why)
         _signal(c.process, signal.SIGTERM)
         try:
-            await asyncio.wait_for(c.exited.wait(), float(self.spec.get("terminationGracePeriodSeconds", 30))
-                                   * self.kubelet.time_scale)
+            await asyncio.wait_for(c.exited.wait(), float(self.spec.get("terminationGracePeriodSeconds", 30)))
         except TimeoutError:
             _killpg(c.process, signal.SIGKILL)
 
