@@ -96,6 +96,14 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
+@pytest_asyncio.fixture(loop_scope="module")
+async def port_forward(cluster: Cluster) -> AsyncIterator[aiohttp.ClientSession]:
+    """What `kubectl port-forward` gives a user (the NOTES' way to the admin port): connections that enter
+    through the node, which NetworkPolicies never block."""
+    async with cluster.session_from(cluster.network.node_ip, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def creds(cluster: Cluster) -> Credentials:
     return await credentials_of(cluster)
@@ -226,19 +234,20 @@ async def test_requests_through_the_routers_service_reach_every_pool(cluster: Cl
 
 
 async def test_admin_calls_without_the_token_are_refused(cluster: Cluster, creds: Credentials,
-                                                        client: aiohttp.ClientSession) -> None:
+                                                        client: aiohttp.ClientSession,
+                                                        port_forward: aiohttp.ClientSession) -> None:
     url = cluster.service_url(f"{ROUTER}-metrics", "metrics")
-    async with client.get(f"{url}/metrics") as resp:
+    async with port_forward.get(f"{url}/metrics") as resp:
         assert resp.status == 200  # Prometheus and the kubelet carry no token
     calls = [("GET", "/admin/endpoints"), ("POST", "/admin/endpoints/x/drain")]
     for who, headers in (("no token", {}), ("a wrong token", {"Authorization": "Bearer not-the-token"}),
                          ("the client API key", creds.client)):
         for method, path in calls:
-            async with client.request(method, f"{url}{path}", headers=headers) as resp:
+            async with port_forward.request(method, f"{url}{path}", headers=headers) as resp:
                 assert resp.status in (401, 403), (
                     f"the router's admin API answered {method} {path} with {resp.status} to {who}: the token the "
                     "chart generated (Secret " f"{ROUTER}-admin) is not enforced")
-    async with client.get(f"{url}/admin/endpoints", headers=creds.admin) as resp:
+    async with port_forward.get(f"{url}/admin/endpoints", headers=creds.admin) as resp:
         assert resp.status == 200, await resp.text()
     # And the OpenAI API refuses a wrong key as it refuses none.
     outcome = await chat(client, cluster.service_url(ROUTER, "http"), pools()["chat"],
@@ -261,7 +270,7 @@ async def endpoints_seen_by(cluster: Cluster, client: aiohttp.ClientSession, rou
 
 
 async def test_agent_telemetry_reaches_the_routers_and_moves_the_adaptive_policy(
-    cluster: Cluster, creds: Credentials, client: aiohttp.ClientSession,
+    cluster: Cluster, creds: Credentials, client: aiohttp.ClientSession, port_forward: aiohttp.ClientSession,
 ) -> None:
     model = pools()["chat"]
     workers = sorted(p["metadata"]["name"] for p in cluster.pods("worker", **{"fleetroute.io/pool": "chat"}))
@@ -269,21 +278,21 @@ async def test_agent_telemetry_reaches_the_routers_and_moves_the_adaptive_policy
     routers = [p["metadata"]["name"] for p in cluster.pods("router")]
 
     async def views() -> dict[str, dict[str, dict[str, Any]]]:
-        return {r: await endpoints_seen_by(cluster, client, r, creds) for r in routers}
+        return {r: await endpoints_seen_by(cluster, port_forward, r, creds) for r in routers}
 
     # Every router has agent telemetry (engine signals through Redis: the chart's gpuSource is none) for every
     # worker.
     async with asyncio.timeout(20):
         while not all(e.get("telemetry") for v in (await views()).values() for e in v.values()):
             await asyncio.sleep(0.5)
-    # Load one worker directly (not through the routers): long, distinct prompts fill its KV cache.
+    # Load one worker directly (not through the routers: a port-forward to its pod): long, distinct prompts fill its KV cache.
     rng = random.Random(5)
     words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
     engine = f"http://{cluster.pod_ip(loaded)}:8000"
 
     async def hog() -> None:
         prompt = " ".join(rng.choice(words) for _ in range(3000))
-        await chat(client, engine, model, max_tokens=3000, prompt=prompt)
+        await chat(port_forward, engine, model, max_tokens=3000, prompt=prompt)
 
     hogs = [asyncio.create_task(hog()) for _ in range(16)]
     try:
@@ -479,3 +488,48 @@ async def test_evictions_honour_the_router_disruption_budget(cluster: Cluster, c
     await cluster.wait_ready(timeout=60)
     assert (await evict(routers[1]))[0] == 201  # with the replacement ready, the drain goes on
     await cluster.wait_ready(timeout=60)
+
+
+# ---- 7. NetworkPolicies (last: every scenario above ran under them) ------------------------------------------
+
+
+async def reaches(cluster: Cluster, source: str, service: str, port_name: str) -> bool:
+    """Does a connection from `source` through the Service's port get an answer? (HTTP, or Redis' RESP)"""
+    ip, port = cluster.proxy.address(NS, service, port_name)
+    try:
+        reader, writer = await asyncio.open_connection(ip, port, local_addr=(source, 0))
+    except OSError:
+        return False
+    try:
+        writer.write(b"PING\r\n" if port_name == "redis" else b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        async with asyncio.timeout(10):
+            return bool(await reader.readline())  # a refused connection is reset: nothing, or an error
+    except (ConnectionError, OSError):
+        return False
+    finally:
+        writer.close()
+
+
+async def test_network_policies_allow_the_fleets_paths_and_refuse_the_rest(cluster: Cluster) -> None:
+    """The chart's NetworkPolicies are enforced in this cluster (tests/cluster/policies.py: at kube-proxy for
+    Services, in the pods' processes for direct connections). Every scenario above needed clients -> routers,
+    routers -> workers, routers and agents -> Redis and routers -> the API server: none of their connections
+    was refused. What the policies keep out is kept out."""
+    assert not cluster.network_denials(), (
+        "the chart's NetworkPolicies refused connections the fleet made:\n" + "\n".join(cluster.network_denials()))
+    outside, node = "127.0.0.1", cluster.network.node_ip
+    worker = cluster.pod_ip(cluster.pods("worker")[0]["metadata"]["name"])
+    router = cluster.pod_ip(cluster.pods("router")[0]["metadata"]["name"])
+    metrics, redis = f"{ROUTER}-metrics", f"{ROUTER}-redis"
+    expected = {
+        (outside, ROUTER, "http"): True,  # networkPolicy.clients: anyone
+        (outside, metrics, "metrics"): False,  # the admin port: networkPolicy.monitoring only...
+        (node, metrics, "metrics"): True,  # ...and the node (kubelet probes, kubectl port-forward)
+        (worker, metrics, "metrics"): False,
+        (outside, redis, "redis"): False,  # Redis: the release's pods labelled fleetroute.io/redis-client
+        (worker, redis, "redis"): True,
+        (router, redis, "redis"): True,
+    }
+    seen = {case: await reaches(cluster, *case) for case in expected}
+    assert seen == expected, {case: f"reached: {seen[case]}" for case in expected if seen[case] != expected[case]}
+    assert len(cluster.network_denials()) == list(expected.values()).count(False), cluster.network_denials()

@@ -44,6 +44,7 @@ from tests.cluster.controllers import Controllers, pod_ready
 from tests.cluster.kube_proxy import KubeProxy
 from tests.cluster.kubelet import Kubelet
 from tests.cluster.network import Network
+from tests.cluster.policies import PolicyTable
 from tests.fake_kube import BUILTIN_RESOURCES, FakeKube
 from tests.helm_binary import helm_runner
 
@@ -64,10 +65,15 @@ class Cluster:
                  sim_gpu: str = "h100") -> None:
         self.root, self.values, self.release, self.namespace = root, values, release, namespace
         self.time_scale, self.sim_time_scale, self.sim_gpu = time_scale, sim_time_scale, sim_gpu
-        self.kube = FakeKube(token=None, resources=BUILTIN_RESOURCES, strict=True)
         self.network = Network(root)
+        # The API server at its own address on 6443 (a control-plane endpoint's usual port): the chart's
+        # NetworkPolicies must let the routers reach it there.
+        self.kube = FakeKube(token=None, resources=BUILTIN_RESOURCES, strict=True, host=self.network.api_server_ip,
+                             port=6443)
+        self.policies = PolicyTable(root / "cluster-netpol.json", node=self.network.node_ip,
+                                    api_server=self.network.api_server_ip)
         self.controllers = Controllers(self.kube, self.network)
-        self.proxy = KubeProxy(self.kube)
+        self.proxy = KubeProxy(self.kube, self.policies)
         self.rendered: list[dict[str, Any]] = []
         self.notes = ""  # the chart's NOTES.txt as `helm install` prints it
         self.kubectl_env: dict[str, str] = {}
@@ -83,7 +89,7 @@ class Cluster:
         self.http = aiohttp.ClientSession()
         self.kubelet = Kubelet(self.kube, self.network, self.root, self.http, time_scale=self.time_scale,
                                sim_time_scale=self.sim_time_scale, sim_gpu=self.sim_gpu,
-                               service_links=self.controllers.service_links)
+                               service_links=self.controllers.service_links, policies=self.policies)
         home = self.root / "kubectl-home"
         home.mkdir()
         self.kubectl_env = {"HOME": str(home), "PATH": f"{KUBECTL.parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
@@ -120,6 +126,9 @@ class Cluster:
         try:
             while True:
                 self.controllers.reconcile()
+                self.policies.update(pods=self.kube.list("pods"), policies=self.kube.list("networkpolicies"),
+                                     services=[s["spec"]["clusterIP"] for s in self.kube.list("services")
+                                               if s["spec"].get("clusterIP") not in (None, "", "None")])
                 self.kubelet.sync()
                 await self.proxy.sync()
                 with contextlib.suppress(TimeoutError):
@@ -246,7 +255,12 @@ class Cluster:
                                  .replace("\n", "\n    "))
         lines += [f"controller: {k}: {v}" for k, v in self.controllers.failures.items()]
         lines += [f"RBAC refused: {m}" for m in dict.fromkeys(self.kube.denied)]
+        lines += [f"refused: {m}" for m in dict.fromkeys(self.network_denials())]
         return "\n".join(lines)
+
+    def network_denials(self) -> list[str]:
+        """Every connection the NetworkPolicies refused: at kube-proxy and in the pods."""
+        return [*self.policies.denied, *self.policies.denied_by_pods()]
 
     def pods(self, component: str, **labels: str) -> list[dict[str, Any]]:
         """Running (not terminating) pods of a chart component (`app.kubernetes.io/component`)."""
@@ -254,6 +268,12 @@ class Cluster:
                              *(f"{k}={v}" for k, v in labels.items())])
         return [p for p in self.kube.list("pods", self.namespace, selector)
                 if not p["metadata"].get("deletionTimestamp")]
+
+    def session_from(self, address: str, **kwargs: Any) -> aiohttp.ClientSession:
+        """An HTTP client whose connections come from `address`: the node's (`network.node_ip`: what `kubectl
+        port-forward` carries enters through the node, which NetworkPolicies never block) or a pod's (a
+        process in that pod's network namespace)."""
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(address, 0)), **kwargs)
 
     def service_url(self, service: str, port_name: str) -> str:
         ip, port = self.proxy.address(self.namespace, service, port_name)

@@ -34,7 +34,8 @@ Emulations (what a container runtime would give, done otherwise here; each for t
 
 - **Network namespace**: a loopback address per pod (tests/cluster/network.py). In `command`, `args` and env
   values, `0.0.0.0`, `127.0.0.1` and `localhost` become the pod's address; the image stand-ins bind servers to
-  it (images.py). Service names resolve through the cluster DNS table (sitecustomize/).
+  it (images.py). Service names resolve through the cluster DNS table, and Python processes connect from
+  the pod's address, within what the NetworkPolicies allow (sitecustomize/, tests/cluster/policies.py).
 - **Filesystem**: a volume's `mountPath` in `command`, `args`, env values, `workingDir` and the text of
   configMap/secret files becomes the volume's directory (`subPath` mounts point into it); a `/tmp` mount is
   also `TMPDIR`. The root filesystem is the machine's.
@@ -73,6 +74,7 @@ import aiohttp
 
 from tests.cluster.images import ROOT, Image, ShimContext, UnknownImage, image_for
 from tests.cluster.network import SITECUSTOMIZE, Network, search_list
+from tests.cluster.policies import POD_IP_ENV, TABLE_ENV, PolicyTable
 from tests.fake_kube import FakeKube
 
 log = logging.getLogger("tests.cluster.kubelet")
@@ -316,6 +318,7 @@ class PodRuntime:
             "PYTHONPATH": f"{ROOT}:{SITECUSTOMIZE}",
             "FLEETROUTE_TEST_CLUSTER_DNS": str(self.kubelet.network.dns_table),
             "FLEETROUTE_TEST_CLUSTER_SEARCH": search_list(self.namespace),
+            TABLE_ENV: str(self.kubelet.policies.path), POD_IP_ENV: self.ip,
             **image.env,
         }
         if "/tmp" in mounts:
@@ -608,11 +611,12 @@ class PodRuntime:
 class Kubelet:
     def __init__(self, kube: FakeKube, network: Network, root: Path, http: aiohttp.ClientSession, *,
                  time_scale: float, sim_time_scale: float, sim_gpu: str,
-                 service_links: Callable[[str], dict[str, str]]) -> None:
+                 service_links: Callable[[str], dict[str, str]], policies: PolicyTable) -> None:
         self.kube, self.network, self.root, self.http = kube, network, root, http
+        self.policies = policies
         self.time_scale, self.sim_time_scale, self.sim_gpu = time_scale, sim_time_scale, sim_gpu
         self.service_links = service_links
-        self.host_ip = f"127.{network.block}.0.1"
+        self.host_ip = network.node_ip
         self.pods: dict[str, PodRuntime] = {}  # by uid
 
     def sync(self) -> None:
