@@ -51,6 +51,8 @@ pytestmark = [
 ]
 
 VALUES = Path(__file__).parent / "cluster" / "two-pools-values.yaml"
+GPU_VALUES = Path(__file__).parent / "cluster" / "gpu-telemetry-values.yaml"
+GIB = 1 << 30
 ROLLOUTS = int(os.environ.get("FLEETROUTE_TEST_ROLLOUTS", "2"))
 RELEASE, NS = "t", "inference"
 ROUTER = f"{RELEASE}-fleetroute"
@@ -210,6 +212,47 @@ async def test_the_chart_with_default_values_serves_through_its_service(tmp_path
         assert outcome.complete, outcome
         assert outcome.endpoint == box.pods("worker")[0]["metadata"]["name"]
         assert not box.kube.denied, f"RBAC refused the router: {box.kube.denied}"
+    finally:
+        await box.close()
+
+
+async def test_gpu_telemetry_from_the_node_agent_reaches_the_routers(tmp_path: Path) -> None:
+    """`gpuTelemetry.source: nvml` on a node with two GPUs (tests/cluster/gpus.py): the DaemonSet's node agent
+    reads them through the driver library (the real pynvml on the fake driver) and the kubelet's PodResources
+    socket (hostPath), writes a GPU record for the worker through the chart's Redis, the worker's agent merges
+    it, and every router sees the numbers of the worker's own GPU, and follows them."""
+    box = Cluster(tmp_path, values=(GPU_VALUES,), release=RELEASE, namespace=NS, gpus=2)
+    try:
+        await box.start(ready_timeout=90)
+        assert box.gpus is not None
+        worker = box.pods("worker")[0]["metadata"]["name"]
+        held = box.gpus.of(NS, worker)
+        assert len(held) == 1, f"the worker holds GPUs {held}; the chart's default pool asks for one"
+        mine, other = held[0], 1 - held[0]
+        creds = await credentials_of(box)
+        routers = [p["metadata"]["name"] for p in box.pods("router")]
+
+        async def gpu_seen(port_forward: aiohttp.ClientSession, util: float) -> dict[str, Any]:
+            seen: dict[str, Any] = {}
+            try:
+                async with asyncio.timeout(20):
+                    while True:
+                        seen = {r: (await endpoints_seen_by(box, port_forward, r, creds))[worker]["telemetry"]
+                                for r in routers}
+                        if all(t and t["source"] == "nvml" and t["gpu_util"] == pytest.approx(util) for t in seen.values()):
+                            return seen
+                        await asyncio.sleep(0.5)
+            except TimeoutError:
+                raise AssertionError(f"the routers' telemetry of {worker} (GPU {mine}) is not at {util} after 20 s: "
+                                     f"{seen}\n{box.diagnose()}\n{box.logs(box.pods('gpu-telemetry')[0]['metadata']['name'], 'node-agent')}") from None
+
+        async with box.session_from(box.network.node_ip) as port_forward:
+            box.gpus.set(**{f"util_gpu.{mine}": 37, f"mem_used.{mine}": 40 * GIB, f"util_gpu.{other}": 91})
+            seen = await gpu_seen(port_forward, 0.37)
+            assert all(t["gpu_mem_util"] == pytest.approx(0.5) for t in seen.values()), seen
+            box.gpus.set(**{f"util_gpu.{mine}": 64})
+            await gpu_seen(port_forward, 0.64)
+        assert not box.network_denials(), box.network_denials()
     finally:
         await box.close()
 

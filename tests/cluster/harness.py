@@ -13,9 +13,15 @@
          StatefulSets, DaemonSets, EndpointSlices, ServiceAccount admission
       -> a kubelet (tests/cluster/kubelet.py) running every container as a local process (the images'
          stand-ins: tests/cluster/images.py; `fleetroute sim --vllm` for vLLM), with probes, preStop hooks,
-         graceful termination and restarts, writing pod status
+         graceful termination and restarts, writing pod status; on a node given GPUs (`gpus=N`), the device
+         plugin's allocation, the PodResources socket and the NVIDIA runtime's driver (tests/cluster/gpus.py)
       -> kube-proxy (tests/cluster/kube_proxy.py): each Service port forwards connections to ready endpoints,
-         so a test talks to the router's Service as a client in the cluster would.
+         so a test talks to the router's Service as a client in the cluster would
+      -> NetworkPolicies enforced (tests/cluster/policies.py): at kube-proxy for Services, in the pods'
+         processes for direct connections, each pod connecting from its own address.
+
+The secrets the chart generates are read back as its NOTES tell a user (`from_notes`: the NOTES' own
+`export API_KEY=$(kubectl get secret ...)` lines, run in a shell with the real kubectl).
 
 Everything is driven by the objects the chart renders: no object is written by hand except what a user
 would write (a namespace, RoutingPolicies, `kubectl` commands). Each module's docstring lists what it
@@ -41,6 +47,7 @@ import aiohttp
 import yaml
 
 from tests.cluster.controllers import Controllers, pod_ready
+from tests.cluster.gpus import NodeGpus
 from tests.cluster.kube_proxy import KubeProxy
 from tests.cluster.kubelet import Kubelet
 from tests.cluster.network import Network
@@ -62,7 +69,7 @@ class ClusterError(AssertionError):
 class Cluster:
     def __init__(self, root: Path, *, values: tuple[Path, ...] = (), release: str = "t",
                  namespace: str = "inference", time_scale: float = 0.2, sim_time_scale: float = 1.0,
-                 sim_gpu: str = "h100") -> None:
+                 sim_gpu: str = "h100", gpus: int = 0) -> None:
         self.root, self.values, self.release, self.namespace = root, values, release, namespace
         self.time_scale, self.sim_time_scale, self.sim_gpu = time_scale, sim_time_scale, sim_gpu
         self.network = Network(root)
@@ -72,6 +79,7 @@ class Cluster:
                              port=6443)
         self.policies = PolicyTable(root / "cluster-netpol.json", node=self.network.node_ip,
                                     api_server=self.network.api_server_ip)
+        self.gpus = NodeGpus(root, gpus) if gpus else None  # the node's GPUs (tests/cluster/gpus.py)
         self.controllers = Controllers(self.kube, self.network)
         self.proxy = KubeProxy(self.kube, self.policies)
         self.rendered: list[dict[str, Any]] = []
@@ -86,10 +94,13 @@ class Cluster:
 
     async def start(self, *, ready_timeout: float = 90.0) -> Cluster:
         await self.kube.start()
+        if self.gpus is not None:
+            await self.gpus.start()
         self.http = aiohttp.ClientSession()
         self.kubelet = Kubelet(self.kube, self.network, self.root, self.http, time_scale=self.time_scale,
                                sim_time_scale=self.sim_time_scale, sim_gpu=self.sim_gpu,
-                               service_links=self.controllers.service_links, policies=self.policies)
+                               service_links=self.controllers.service_links, policies=self.policies,
+                               gpus=self.gpus)
         home = self.root / "kubectl-home"
         home.mkdir()
         self.kubectl_env = {"HOME": str(home), "PATH": f"{KUBECTL.parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
@@ -156,6 +167,8 @@ class Cluster:
         if self.http is not None:
             await self.http.close()
         await self.kube.stop()
+        if self.gpus is not None:
+            await self.gpus.close()
         log.info("cluster closed in %.1fs (processes killed in %.1fs)", asyncio.get_running_loop().time() - started,
                  killed - started)
 
