@@ -1,28 +1,34 @@
 """The Helm chart as rendered, run as a cluster (tests/cluster/harness.py): what a user of the chart must see.
 
-`helm template` -> real `kubectl apply` to the fake API server -> controllers, a kubelet running every rendered
-container as a local process (the router and agents as rendered, `fleetroute sim --vllm` for the vLLM image,
-a real Redis server for the Redis image) and kube-proxy in front of the Services. Nothing is hand-assembled:
-the tests use the chart's defaults (the multi-pool set changes only `pools`) and reach the router through its
-Service, as a client in the cluster would.
+`helm install --dry-run` -> real `kubectl apply` to the fake API server -> controllers, a kubelet running every
+rendered container as a local process (the router and agents as rendered, `fleetroute sim --vllm` for the vLLM
+image, a real Redis server for the Redis image) and kube-proxy in front of the Services, with the chart's
+NetworkPolicies enforced. Nothing is hand-assembled: the tests use the chart's defaults (the multi-pool set
+changes only `pools`; the GPU run only turns `gpuTelemetry` on), read the generated API key and admin token as
+the NOTES tell a user, and reach the router through its Service, as a client in the cluster would.
 
-Scenarios, on one cluster rendered with tests/cluster/two-pools-values.yaml (two pools, three workers), in
-order (each leaves the cluster serving):
+First, each on a cluster of its own: the chart with its default values comes up, refuses a client without an
+API key and serves one with it; with GPU telemetry from NVML, the node agent's GPU numbers reach every router.
+
+Then, on one cluster rendered with tests/cluster/two-pools-values.yaml (two pools, three workers), in order
+(each leaves the cluster serving):
 
 1. requests through the router's Service reach every pool (and every worker of a pool);
-2. admin calls without the admin token are refused;
+2. admin calls without the admin token (or with a wrong one, or the client key) are refused;
 3. agent telemetry reaches every router through the chart's Redis and moves the adaptive policy away from a
    loaded worker;
 4. `kubectl apply` of a RoutingPolicy changes routing within seconds and its status says Accepted; a spec the
-   CRD refuses is refused by kubectl apply, and one the router refuses gets Accepted=False with the reason;
+   CRD refuses is refused by kubectl apply, one the router refuses gets Accepted=False with the reason, and one
+   for models outside the chart's delegation gets Accepted=False, ModelsNotDelegated, and changes nothing;
 5. deleting a worker pod (SIGTERM; its EndpointSlice endpoint terminating) loses no request;
-6. a router rollout (`kubectl rollout restart`: SIGTERM to each old replica under load) loses no request, and
-   evictions (`kubectl drain`) honour the router's PodDisruptionBudget.
-
-And the chart with its default values (one pool) comes up and serves through its Service.
+6. router rollouts (`kubectl rollout restart`: SIGTERM to each old replica under load) lose no request of a
+   client that keeps its connections alive and never resends, and evictions (`kubectl drain`) honour the
+   router's PodDisruptionBudget;
+7. every scenario ran under the NetworkPolicies with none of the fleet's connections refused, and what they
+   keep out is kept out.
 
 Every failure says which part of the chart or router is at fault and shows the cluster's state (pods not
-ready with their logs, RBAC refusals).
+ready with their logs, RBAC and NetworkPolicy refusals).
 """
 
 from __future__ import annotations
