@@ -488,7 +488,7 @@ async def test_a_router_rollout_loses_no_request(cluster: Cluster, creds: Creden
     endpoint terminating: no new connections) and then SIGTERM while the clients' keep-alive connections to it
     are busy or between two requests. The router drains them (router/drain.py): the next request on each is
     answered with `Connection: close`. The clients never resend, so a connection closed under a request
-    would show as a failure."""
+    would show as a failure. FLEETROUTE_TEST_ROLLOUTS=N rolls N times (2 by default, for CI's time)."""
     model = pools()["chat"]
     replaced: list[str] = []
     async with Load(cluster.service_url(ROUTER, "http"), model, headers=creds.client, clients=6,
