@@ -27,12 +27,14 @@ from router.balancer import Balancer
 from router.connections import (
     ConnectionGuard,
     ListenerSite,
+    close_when_draining,
     connection_budget,
     descriptor_limit,
     handler_options,
     raise_descriptor_limit,
 )
 from router.context import CONTEXT, RouterContext
+from router.drain import drain_listener
 from router.errors import SERVER_NAME
 from router.explain import DecisionLog, ExplainSettings
 from router.forwarding import Forwarding
@@ -375,6 +377,7 @@ def build_apps(ctx: RouterContext) -> tuple[web.Application, web.Application]:
     add_status_page(admin, sessions)
     for app in (ingress, admin):
         app.on_response_prepare.append(_server_header)
+        app.on_response_prepare.append(close_when_draining)  # a listener that drains says Connection: close
     return ingress, admin
 
 
@@ -395,7 +398,19 @@ class RunningRouter:
     admin_runner: web.AppRunner
     connections: dict[str, ConnectionGuard]  # per listener: open connections, caps and timeouts
 
+    async def shutdown(self) -> None:
+        """The graceful stop (SIGTERM): readiness fails, the ingress listener stops accepting and drains its
+        connections (router/drain.py: `Connection: close` on every response for `drainConnections`, then the
+        idle ones closed, in-flight requests given until `shutdownGrace`), then everything closes."""
+        self.ctx.draining = True
+        settings = self.ctx.settings
+        await drain_listener(self.ingress_runner, self.connections["ingress"], period=settings.drain_connections,
+                             grace=settings.shutdown_grace)
+        await self.close()
+
     async def close(self) -> None:
+        """Stop now: idle connections close at once, in-flight requests get `shutdownGrace` (tests, and the
+        end of `shutdown`)."""
         self.ctx.draining = True
         await self.ingress_runner.cleanup()  # stops accepting, waits for in-flight requests (shutdown grace)
         await self.admin_runner.cleanup()
@@ -473,8 +488,8 @@ def reload_from(ctx: RouterContext, path: str) -> None:
 
 
 async def serve(settings: Settings, *, reuse_port: bool = False, config_path: str | None = None) -> None:
-    """Run a router until SIGTERM or SIGINT, then drain: readiness fails first, in-flight requests finish.
-    SIGHUP reloads `config_path` live."""
+    """Run a router until SIGTERM or SIGINT, then drain (RunningRouter.shutdown): readiness fails first, open
+    client connections are told to close, in-flight requests finish. SIGHUP reloads `config_path` live."""
     raise_descriptor_limit()  # before the connection budget is computed from it
     ctx = build_context(settings)
     running = await start_router(ctx, reuse_port=reuse_port)
@@ -502,4 +517,4 @@ async def serve(settings: Settings, *, reuse_port: bool = False, config_path: st
         await stop.wait()
     finally:
         log.info("shutting down; draining in-flight requests", extra={"in_flight": ctx.loads.total()})
-        await running.close()
+        await running.shutdown()

@@ -102,6 +102,8 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
                                                others are refused in their status (docs/kubernetes.md)
   workers: 1                                   processes sharing the ports (use one per core)
   shutdownGrace: 30s                           time for in-flight requests on SIGTERM
+  drainConnections: 15s                        of which open client connections are still served, each
+                                               answer with Connection: close, before idle ones close
 
 presets (`preset: NAME` in a policy or a RoutingPolicy spec; --show-preset NAME prints one):
 {presets}

@@ -24,6 +24,10 @@ the process has file descriptors, until `accept` failed on the admin listener to
 - **Protocol errors.** A request aiohttp cannot parse gets an OpenAI-shaped 400 instead of aiohttp's plain
   text, and no response says `Server: Python/x aiohttp/y`.
 
+- **Drain** (router/drain.py has the sequence): on shutdown a listener's guard starts draining. Every response
+  from then on says `Connection: close` and the connection closes after it; a connection that goes idle
+  after a request begun before the drain stays open for its next request, until the drain's end closes it.
+
 Every limit hit is counted (`fleetroute_client_connections_rejected_total{listener,reason}`,
 `fleetroute_client_timeouts_total{listener,phase}`) and logged at most once per reason every 10 s.
 
@@ -46,7 +50,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import orjson
-from aiohttp import StreamReader, web
+from aiohttp import StreamReader, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
@@ -67,6 +71,8 @@ MAX_LINGERING = 16
 
 # Phases of a connection; the timer running in each is named after it.
 HEADER, REQUEST, IDLE, REFUSED = "header", "request", "keepalive", "refused"
+# How a connection closed during a drain (fleetroute_client_connections_drained_total{how}).
+ANSWERED, BY_CLIENT, BY_TIMEOUT, CLOSED_IDLE, CUT = "connection_close", "client", "timeout", "idle", "cut"
 
 
 def descriptor_limit() -> int | None:
@@ -136,6 +142,14 @@ class ConnectionGuard:
         self._open = 0
         self.lingering = 0  # refused connections still open (REFUSAL_LINGER)
         self._per_client: dict[str, int] = {}
+        self._connections: set[ClientConnection] = set()  # admitted and open
+        # Draining (router/drain.py): every response says Connection: close. Closing: past the drain period,
+        # a connection is closed as soon as it is idle.
+        self.draining = False
+        self.closing = False
+        self.drained: dict[str, int] = {}  # how -> connections closed since the drain began
+        self._none_open = asyncio.Event()
+        self._none_open.set()
         self._log = RateLimitedLog(log)
         self._gauge = metrics.client_connections.labels(listener)
         self._gauge.set(0)
@@ -143,6 +157,46 @@ class ConnectionGuard:
     @property
     def open(self) -> int:
         return self._open
+
+    def opened(self, connection: ClientConnection) -> None:
+        self._connections.add(connection)
+        self._none_open.clear()
+
+    def closed(self, connection: ClientConnection, how: str) -> None:
+        self._connections.discard(connection)
+        if self.draining:
+            self.drained[how] = self.drained.get(how, 0) + 1
+            self._metrics.client_connections_drained.labels(self.listener, how).inc()
+        if not self._connections:
+            self._none_open.set()
+
+    # ---- the drain (router/drain.py) ---------------------------------------------------------------------
+
+    def start_draining(self) -> None:
+        self.draining = True
+
+    async def wait_none_open(self, timeout: float) -> bool:
+        """Until every connection of this listener has closed (True), or `timeout` seconds (False)."""
+        try:
+            await asyncio.wait_for(self._none_open.wait(), max(timeout, 0))
+        except TimeoutError:
+            return False
+        return True
+
+    def close_idle(self) -> int:
+        """Close the connections idle now, and from now on each one as soon as it is idle; how many now."""
+        self.closing = True
+        idle = [c for c in self._connections if c.idle]
+        for connection in idle:
+            connection.close_drained(CLOSED_IDLE)
+        return len(idle)
+
+    def cut(self) -> int:
+        """Close every connection still open, cancelling its request (shutdownGrace is over); how many."""
+        busy = list(self._connections)
+        for connection in busy:
+            connection.close_drained(CUT)
+        return len(busy)
 
     def admit(self, peer: str | None) -> str | None:
         """Count a new connection in; or the reason it is refused (`total`, `per_client`), counted and logged."""
@@ -187,7 +241,7 @@ class ConnectionGuard:
 class ClientConnection(web.RequestHandler):
     """aiohttp's per-connection protocol, plus the caps and the header and keep-alive timers."""
 
-    __slots__ = ("_guard", "_peer", "_phase", "_timer", "_admitted", "_unread")
+    __slots__ = ("_guard", "_peer", "_phase", "_timer", "_admitted", "_unread", "_received", "_closed_by")
 
     def __init__(self, manager: web.Server, *, guard: ConnectionGuard, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -197,6 +251,8 @@ class ClientConnection(web.RequestHandler):
         self._timer: asyncio.TimerHandle | None = None
         self._admitted = False
         self._unread: StreamReader | None = None  # a body left unread by its handler, which aiohttp drains
+        self._received = False  # any byte from the client yet
+        self._closed_by: str | None = None  # during a drain: why this side closes it (else the client did)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -206,12 +262,14 @@ class ClientConnection(web.RequestHandler):
             self._refuse(transport, refusal)
             return
         self._admitted = True
+        self._guard.opened(self)
         super().connection_made(transport)
         self._arm(HEADER, self._guard.timeouts.header)
 
     def data_received(self, data: bytes) -> None:
         if self._phase is REFUSED:
             return  # read and dropped: closing with unread data would reset the connection, losing our answer
+        self._received = self._received or bool(data)
         if self._phase is IDLE and data and (self._unread is None or self._unread.is_eof()):
             self._unread = None
             self._arm(HEADER, self._guard.timeouts.header)  # the next request's first byte
@@ -230,11 +288,26 @@ class ClientConnection(web.RequestHandler):
             return  # refused: aiohttp never saw this connection
         self._admitted = False
         self._guard.release(self._peer)
+        self._guard.closed(self, self._closed_by or BY_CLIENT)
         super().connection_lost(exc)
 
     @property
     def guard(self) -> ConnectionGuard:
         return self._guard
+
+    @property
+    def idle(self) -> bool:
+        """Between two requests (or opened and silent): no byte of a request is unanswered."""
+        return self._phase is IDLE or (self._phase is HEADER and not self._received)
+
+    def close_drained(self, how: str) -> None:
+        """Close this connection now, for the drain's reason `how`."""
+        self._closed_by = how
+        self.force_close()
+
+    def closing_after_response(self) -> None:
+        """The response being prepared says `Connection: close` because the listener drains."""
+        self._closed_by = ANSWERED
 
     def request_started(self) -> None:
         """A request head is complete and its handler runs: no client timer until its response is written."""
@@ -247,6 +320,10 @@ class ClientConnection(web.RequestHandler):
         # by aiohttp, for at most its lingering time: those bytes are not the next request's.
         self._arm(IDLE, self._guard.timeouts.keep_alive)
         self._unread = None if request.content.is_eof() else request.content
+        if self._guard.closing and response.keep_alive:
+            # Its response began before the drain and promised keep-alive; the drain period is over.
+            self._closed_by = CLOSED_IDLE
+            self.close()  # aiohttp closes the transport once this request's handling ends
         super().log_access(request, response, time)
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
@@ -283,6 +360,7 @@ class ClientConnection(web.RequestHandler):
         if self._phase != phase:
             return
         self._guard.timed_out(phase, self._peer)
+        self._closed_by = BY_TIMEOUT
         self.force_close()
 
     def _refuse(self, transport: asyncio.BaseTransport, reason: str) -> None:
@@ -295,6 +373,20 @@ class ClientConnection(web.RequestHandler):
             return
         stream.write_eof()  # the answer is complete; the client's request is read and dropped
         self._timer = self._loop.call_later(REFUSAL_LINGER, stream.close)
+
+
+async def close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: while the listener drains, every response says `Connection: close` and its
+    connection closes after it, so a keep-alive client opens its next connection elsewhere (HTTP/1.1's
+    graceful close, RFC 9112 section 9.6; Envoy's drain sequence does the same)."""
+    protocol = request.protocol
+    if isinstance(protocol, ClientConnection) and protocol.guard.draining:
+        response.force_close()  # aiohttp closes the connection after this response...
+        # ...but has already chosen the headers when this hook runs (an HTTP/1.1 response only names
+        # `Connection` when it closes): say it, or the client learns of the close only when it reuses the
+        # connection.
+        response.headers[hdrs.CONNECTION] = "close"
+        protocol.closing_after_response()
 
 
 def _marking_requests(handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]) -> Any:

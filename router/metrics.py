@@ -495,6 +495,16 @@ class RouterMetrics:
             ["listener", "reason"],
             registry=r,
         )
+        self.client_connections_drained = Counter(
+            "fleetroute_client_connections_drained",
+            "Client connections closed during a shutdown drain (router/drain.py), by listener and how: "
+            "connection_close (answered with Connection: close: the client was told), client (the client closed "
+            "it), timeout (a client timeout), idle (still idle when drainConnections ran out, or idle again after "
+            "a request begun before the drain: closed unannounced, which a client sending at that instant sees "
+            "fail), cut (still busy when shutdownGrace ran out: its request was cancelled).",
+            ["listener", "how"],
+            registry=r,
+        )
         self.client_timeouts = Counter(
             "fleetroute_client_timeouts",
             "Client connections closed, or requests refused with 408, for taking too long, by listener and phase: "

@@ -208,6 +208,10 @@ class Settings:
     workers: int = 1
     # Seconds to let in-flight requests finish on shutdown.
     shutdown_grace: float = 30.0
+    # The first part of shutdown_grace: open client connections are served with `Connection: close` before the
+    # idle ones are closed (router/drain.py). Above the idle timeouts of common HTTP clients (httpx 5 s,
+    # aiohttp 15 s), so they close their idle connections first. At most shutdown_grace.
+    drain_connections: float = 15.0
     max_header_bytes: int = 8190  # per header line and for the request line (aiohttp parser limits)
     client_timeouts: ClientTimeouts = ClientTimeouts()
     auth: AuthSettings | None = None  # router.auth; None: no client keys, no admin token
@@ -781,6 +785,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     log.done()
     workers = top.integer("workers", 1, minimum=1, maximum=256)
     shutdown_grace = top.duration("shutdownGrace", Settings.shutdown_grace)
+    drain_connections = _drain_connections(top, shutdown_grace)
     from router.auth import parse_auth  # here, not on top: router.auth builds on this module
 
     auth = parse_auth(top)
@@ -803,6 +808,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         access_log=access_log,
         workers=workers,
         shutdown_grace=shutdown_grace,
+        drain_connections=drain_connections,
         max_header_bytes=max_header,
         client_timeouts=client_timeouts,
         auth=auth,
@@ -810,6 +816,21 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         control=control,
         explain=explain,
     )
+
+
+def _drain_connections(top: Fields, shutdown_grace: float) -> float:
+    """`drainConnections`: 0 (close idle connections at once) up to `shutdownGrace`, which it is part of; by
+    default 15 s, or all of a shorter shutdownGrace."""
+    if not top.has("drainConnections"):
+        return min(Settings.drain_connections, shutdown_grace)
+    value = top.get("drainConnections")
+    seconds = parse_duration(value)
+    if seconds is None or seconds < 0:
+        raise ConfigError("drainConnections", f"must be a duration like 15s or 0s, got {_show(value)}")
+    if seconds > shutdown_grace:
+        raise ConfigError("drainConnections", f"must not exceed shutdownGrace ({shutdown_grace:g}s), which it is "
+                                              f"part of; got {_show(value)}")
+    return seconds
 
 
 def load_settings(path: str, registry: PolicyRegistry | None = None) -> Settings:

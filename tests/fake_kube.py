@@ -217,7 +217,8 @@ def _field_selector(text: str | None) -> Callable[[dict[str, Any]], bool]:
 
 class FakeKube:
     def __init__(self, *, token: str | None = "fake-token", git_version: str = "v1.37.0",
-                 resources: tuple[Resource, ...] = RESOURCES, strict: bool = False) -> None:
+                 resources: tuple[Resource, ...] = RESOURCES, strict: bool = False, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
         self.token = token  # None: requests without a service-account token act as cluster admin
         self.resources = list(resources)
         # strict: as an API server: objects go only into namespaces that exist, and built-in objects are
@@ -234,7 +235,8 @@ class FakeKube:
         self.history: list[_Change] = []
         self.requests: list[Recorded] = []
         self.watchers: list[_Watcher] = []
-        self.port = 0
+        self.host = host  # where it listens; port 0: a free one
+        self.port = port
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._request_seen = asyncio.Event()
@@ -249,10 +251,10 @@ class FakeKube:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{self.host}:{self.port}"
         return self
 
     async def stop(self) -> None:

@@ -33,6 +33,9 @@ class FakePodResources(api_pb2_grpc.PodResourcesListerServicer):
     def assign(self, namespace: str, pod: str, container: str, device_ids: list[str], resource: str = GPU) -> None:
         self._pods.setdefault((namespace, pod), {}).setdefault(container, []).append((resource, list(device_ids)))
 
+    def has(self, namespace: str, pod: str) -> bool:
+        return (namespace, pod) in self._pods
+
     def remove(self, namespace: str, pod: str) -> None:
         del self._pods[(namespace, pod)]
 

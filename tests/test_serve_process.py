@@ -32,6 +32,8 @@ async def start_process(tmp_path: Path, engines, workers: int) -> tuple[asyncio.
         "telemetry": {"enabled": False},
         "workers": workers,
         "shutdownGrace": "10s",
+        # The test's client keeps its connection once its stream ends: it is closed idle when the drain ends.
+        "drainConnections": "1s",
     }
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -1,6 +1,10 @@
 """kube-proxy for the test: each Service port on its ClusterIP forwards each TCP connection to one endpoint of
 the Service's EndpointSlices, chosen at random (iptables mode's per-connection pick), as a byte pipe.
 
+NetworkPolicies (tests/cluster/policies.py): the connection from the client's address to the endpoint picked
+must be allowed, else it is reset; the connection to the endpoint is made from the client's address, as
+iptables' translation keeps the source of a connection from a pod.
+
 Endpoints are those with `ready` true; when a Service has none, the `serving` and `terminating` ones (the
 fallback of KEP-1669, GA in 1.28). A connection stays on its endpoint for its lifetime, as conntrack keeps
 it, even after the endpoint leaves the slice; with no endpoint at all the connection is reset, where
@@ -19,14 +23,15 @@ import socket
 import struct
 from typing import Any
 
+from tests.cluster.policies import PolicyTable
 from tests.fake_kube import FakeKube
 
 log = logging.getLogger("tests.cluster.kube_proxy")
 
 
 class KubeProxy:
-    def __init__(self, kube: FakeKube, *, seed: int = 0) -> None:
-        self.kube = kube
+    def __init__(self, kube: FakeKube, policies: PolicyTable, *, seed: int = 0) -> None:
+        self.kube, self.policies = kube, policies
         self.rng = random.Random(seed)
         self.servers: dict[tuple[str, str, str], tuple[asyncio.AbstractServer, int]] = {}  # (ns, svc, port name)
         self._pipes: set[asyncio.Task[None]] = set()
@@ -92,9 +97,15 @@ class KubeProxy:
                 _reset(writer)
                 return
             ip, port = self.rng.choice(endpoints)
+            source = writer.get_extra_info("peername")[0]
+            why = self.policies.refusal(source, ip, port)
+            if why is not None:
+                log.warning("service %s/%s port %s: %s; connection reset", key[0], key[1], key[2], why)
+                _reset(writer)
+                return
             self.connections[ip] = self.connections.get(ip, 0) + 1
             try:
-                upstream_reader, upstream_writer = await asyncio.open_connection(ip, port)
+                upstream_reader, upstream_writer = await asyncio.open_connection(ip, port, local_addr=(source, 0))
             except OSError:
                 _reset(writer)
                 return

@@ -4,7 +4,8 @@ writes their status to the API server (tests/fake_kube.py).
 What it does, as the kubelet does (https://kubernetes.io/docs/concepts/workloads/pods/pod-lifecycle/):
 
 - **Volumes**: configMap and secret volumes (every key, or `items` with their paths; secrets decoded) are
-  written to a directory per pod and volume; emptyDir is an empty directory. A pod waits while a configMap or
+  written to a directory per pod and volume; emptyDir is an empty directory; hostPath only for the kubelet's
+  PodResources directory, on a node with GPUs (tests/cluster/gpus.py). A pod waits while a configMap or
   secret it needs (not `optional`) is missing, as ContainerCreating does. Other volume kinds fail the pod.
 - **Environment**: only what a container would see: the image's ENV, `HOSTNAME`, the Service links
   (`<SVC>_SERVICE_HOST`, `<SVC>_PORT`... of the namespace's Services when the pod starts, unless
@@ -34,7 +35,8 @@ Emulations (what a container runtime would give, done otherwise here; each for t
 
 - **Network namespace**: a loopback address per pod (tests/cluster/network.py). In `command`, `args` and env
   values, `0.0.0.0`, `127.0.0.1` and `localhost` become the pod's address; the image stand-ins bind servers to
-  it (images.py). Service names resolve through the cluster DNS table (sitecustomize/).
+  it (images.py). Service names resolve through the cluster DNS table, and Python processes connect from
+  the pod's address, within what the NetworkPolicies allow (sitecustomize/, tests/cluster/policies.py).
 - **Filesystem**: a volume's `mountPath` in `command`, `args`, env values, `workingDir` and the text of
   configMap/secret files becomes the volume's directory (`subPath` mounts point into it); a `/tmp` mount is
   also `TMPDIR`. The root filesystem is the machine's.
@@ -43,11 +45,16 @@ Emulations (what a container runtime would give, done otherwise here; each for t
   with a token of the pod's ServiceAccount, the pod's namespace as the context's, and RBAC enforced by the
   fake for that token. A real pod gets the token file and `KUBERNETES_SERVICE_HOST` instead; the client's
   in-cluster loading needs HTTPS and a fixed path, so the kubeconfig path is used.
-- **Time**: probe periods and initial delays, preStop `sleep`s, termination grace periods and crash back-off
-  are multiplied by `time_scale` (0.2: a 5 s readiness period is 1 s) so a test runs in seconds; probe
-  timeouts are not (a loaded two-core machine needs them).
-- **One node** (`node-1`) with room for every pod: GPU requests, nodeSelectors, affinities and taints are not
-  scheduled against; resources and securityContext are not enforced.
+- **Time**: probe periods and initial delays, preStop `sleep`s and crash back-off are multiplied by
+  `time_scale` (0.2: a 5 s readiness period is 1 s) so a test runs in seconds. Probe timeouts are not (a
+  loaded two-core machine needs them), nor termination grace periods: the processes' own shutdown timers
+  (the router's drainConnections and shutdownGrace) run in real time, and a grace period scaled below them
+  would kill a router mid-drain where a cluster would not. A process that exits when it is done is not
+  slowed by its grace period.
+- **One node** (`node-1`) with room for every pod: nodeSelectors, affinities and taints are not scheduled
+  against; resources and securityContext are not enforced. GPUs are, on a node given some (`gpus`,
+  tests/cluster/gpus.py: the device plugin's allocation, the PodResources API, the NVIDIA runtime's driver
+  library); without them, GPU limits are ignored.
 """
 
 from __future__ import annotations
@@ -68,8 +75,10 @@ from typing import Any
 
 import aiohttp
 
+from tests.cluster.gpus import NodeGpus, NoGpuFree
 from tests.cluster.images import ROOT, Image, ShimContext, UnknownImage, image_for
 from tests.cluster.network import SITECUSTOMIZE, Network, search_list
+from tests.cluster.policies import POD_IP_ENV, TABLE_ENV, PolicyTable
 from tests.fake_kube import FakeKube
 
 log = logging.getLogger("tests.cluster.kubelet")
@@ -170,7 +179,7 @@ class PodRuntime:
         pod = self.kubelet.kube.get("pods", self.namespace, self.name)
         grace = float((pod or {}).get("metadata", {}).get("deletionGracePeriodSeconds",
                                                            self.spec.get("terminationGracePeriodSeconds", 30)))
-        deadline = asyncio.get_running_loop().time() + grace * self.kubelet.time_scale
+        deadline = asyncio.get_running_loop().time() + grace
         for task in self.tasks:
             if task.get_name() != "readinessProbe":  # readiness keeps running while the pod terminates
                 task.cancel()
@@ -178,6 +187,8 @@ class PodRuntime:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.kubelet.gpus is not None:
+            self.kubelet.gpus.release(self.namespace, self.name)
         if self.kubelet.kube.get("pods", self.namespace, self.name) is not None:
             self.kubelet.kube.delete("pods", self.name, namespace=self.namespace)
         self.gone.set()
@@ -227,6 +238,16 @@ class PodRuntime:
                 path.write_text(script)
                 path.chmod(0o755)
             c.env = await self._env(spec, image, mounts, bin_dir, kubeconfig)
+            gpus = self.kubelet.gpus
+            if gpus is not None:
+                try:
+                    devices = gpus.allocate(self.namespace, self.name, spec)
+                except NoGpuFree as exc:
+                    raise PodFailed(str(exc)) from None
+                if devices:  # the device plugin's answer
+                    c.env["NVIDIA_VISIBLE_DEVICES"] = ",".join(devices)
+                if "NVIDIA_VISIBLE_DEVICES" in c.env:  # the NVIDIA runtime mounts the driver
+                    c.env.update(gpus.runtime_env())
             command = spec.get("command")
             args = spec.get("args")
             argv = [*(command if command is not None else image.entrypoint),
@@ -239,6 +260,12 @@ class PodRuntime:
             self.containers[spec["name"]] = c
 
     async def _volume(self, volume: dict[str, Any]) -> Path:
+        if "hostPath" in volume:
+            host = self.kubelet.gpus.host_path(volume["hostPath"]["path"]) if self.kubelet.gpus else None
+            if host is None:
+                raise PodFailed(f"volume {volume['name']!r}: hostPath {volume['hostPath']['path']!r} is not emulated "
+                                "(only the kubelet's PodResources directory, on a node with GPUs)")
+            return host
         path = self.dir / "volumes" / volume["name"]
         path.mkdir(parents=True)
         if "emptyDir" in volume:
@@ -258,7 +285,8 @@ class PodRuntime:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(data[item["key"]])
             return path
-        raise PodFailed(f"volume {volume['name']!r}: only configMap, secret and emptyDir volumes are emulated")
+        raise PodFailed(f"volume {volume['name']!r}: only configMap, secret, emptyDir and hostPath volumes are "
+                        "emulated")
 
     def _rewrite_volume_files(self, volumes: dict[str, Path], mounts: dict[str, Path]) -> None:
         """Mount paths named in configMap/secret files (a config file pointing at another mounted file)."""
@@ -313,6 +341,7 @@ class PodRuntime:
             "PYTHONPATH": f"{ROOT}:{SITECUSTOMIZE}",
             "FLEETROUTE_TEST_CLUSTER_DNS": str(self.kubelet.network.dns_table),
             "FLEETROUTE_TEST_CLUSTER_SEARCH": search_list(self.namespace),
+            TABLE_ENV: str(self.kubelet.policies.path), POD_IP_ENV: self.ip,
             **image.env,
         }
         if "/tmp" in mounts:
@@ -429,8 +458,7 @@ class PodRuntime:
         log.warning("container %s/%s: %s; restarting it", self.name, c.name, why)
         _signal(c.process, signal.SIGTERM)
         try:
-            await asyncio.wait_for(c.exited.wait(), float(self.spec.get("terminationGracePeriodSeconds", 30))
-                                   * self.kubelet.time_scale)
+            await asyncio.wait_for(c.exited.wait(), float(self.spec.get("terminationGracePeriodSeconds", 30)))
         except TimeoutError:
             _killpg(c.process, signal.SIGKILL)
 
@@ -606,11 +634,13 @@ class PodRuntime:
 class Kubelet:
     def __init__(self, kube: FakeKube, network: Network, root: Path, http: aiohttp.ClientSession, *,
                  time_scale: float, sim_time_scale: float, sim_gpu: str,
-                 service_links: Callable[[str], dict[str, str]]) -> None:
+                 service_links: Callable[[str], dict[str, str]], policies: PolicyTable,
+                 gpus: NodeGpus | None = None) -> None:
         self.kube, self.network, self.root, self.http = kube, network, root, http
+        self.policies, self.gpus = policies, gpus
         self.time_scale, self.sim_time_scale, self.sim_gpu = time_scale, sim_time_scale, sim_gpu
         self.service_links = service_links
-        self.host_ip = f"127.{network.block}.0.1"
+        self.host_ip = network.node_ip
         self.pods: dict[str, PodRuntime] = {}  # by uid
 
     def sync(self) -> None:

@@ -2,8 +2,8 @@
 
 A pod's network namespace gives it its own IP, `localhost`, and every port. Here each pod gets its own
 loopback address instead (Linux routes all of 127.0.0.0/8 to `lo`), and each Service a loopback "ClusterIP",
-from one 127.N.0.0/16 block per cluster (N random, so concurrent test runs do not meet): pods in
-127.N.1-9.x, Services in 127.N.10-19.x. What a namespace would give is rewritten where a container asks for
+from one 127.N.0.0/16 block per cluster (N random, so concurrent test runs do not meet): the node
+127.N.0.1, the API server 127.N.0.2 (port 6443), pods in 127.N.1-9.x, Services in 127.N.10-19.x. What a namespace would give is rewritten where a container asks for
 it (tests/cluster/kubelet.py): a bind to 0.0.0.0 or a connection to 127.0.0.1/localhost inside a pod becomes
 the pod's address. Network namespaces (`ip netns`) would be more faithful but need root, veth pairs and
 non-loopback addresses for the test to reach the pods, and leave kernel state behind a crashed test; the
@@ -37,6 +37,14 @@ class Network:
         self.dns_table = root / "cluster-dns.json"
         self.names: dict[str, str] = {}
         self._write()
+
+    @property
+    def node_ip(self) -> str:
+        return f"127.{self.block}.0.1"
+
+    @property
+    def api_server_ip(self) -> str:
+        return f"127.{self.block}.0.2"
 
     def pod_ip(self) -> str:
         n, self._next_pod = self._next_pod, self._next_pod + 1

@@ -1,10 +1,12 @@
-"""A small `redis-cli` for machines without one (tests/cluster/images.py): `-h`, `-p`, `-a`/`--pass`,
-`--user`, `-n`, `-u URL`, `--no-auth-warning`, then one command. Prints the reply as redis-cli does for plain
+"""A small `redis-cli` for machines without one (tests/cluster/images.py): `-h`, `-p`, `-a`/`--pass` (else
+$REDISCLI_AUTH, as redis-cli reads it: the chart's readiness probe authenticates so), `--user`, `-n`, `-u URL`,
+`--no-auth-warning`, then one command. Prints the reply as redis-cli does for plain
 replies, and, like redis-cli 7, exits 1 on an error reply."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import redis
@@ -14,7 +16,7 @@ def main() -> int:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("-h", dest="host", default="127.0.0.1")
     p.add_argument("-p", dest="port", type=int, default=6379)
-    p.add_argument("-a", "--pass", dest="password")
+    p.add_argument("-a", "--pass", dest="password", default=os.environ.get("REDISCLI_AUTH"))
     p.add_argument("--user")
     p.add_argument("-n", dest="db", type=int, default=0)
     p.add_argument("-u", dest="url")

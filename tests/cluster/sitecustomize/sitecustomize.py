@@ -6,11 +6,24 @@ names are mapped here instead, from the JSON table of FQDNs -> ClusterIPs at $FL
 aiohttp's threaded resolver, redis-py), `socket.gethostbyname`, and uvloop's loop, whose resolver is libuv's
 own C code (`getaddrinfo` and `create_connection` are resolved first). Names the table does not know go to
 the machine's resolver unchanged.
+
+And the pod's network identity (tests/cluster/policies.py): with $FLEETROUTE_TEST_POD_IP set, every outgoing
+TCP socket is bound to the pod's address before it connects (a pod's connections come from its own address),
+and a connection the NetworkPolicies at $FLEETROUTE_TEST_CLUSTER_NETPOL do not allow is refused
+(ECONNREFUSED, the reason appended to the table's `.denied` file) before it is made: in `socket.connect`
+(the standard event loop, redis-py, anything synchronous) and uvloop's `create_connection`.
 """
 
+import errno
+import ipaddress
 import json
 import os
 import socket
+
+try:
+    import uvloop
+except ImportError:
+    uvloop = None
 
 _TABLE = os.environ.get("FLEETROUTE_TEST_CLUSTER_DNS")
 _SEARCH = os.environ.get("FLEETROUTE_TEST_CLUSTER_SEARCH", "").split()
@@ -53,10 +66,6 @@ if _TABLE:
 
     socket.getaddrinfo, socket.gethostbyname = getaddrinfo, gethostbyname
 
-    try:
-        import uvloop
-    except ImportError:
-        uvloop = None
     if uvloop is not None:
         class _ClusterDnsLoop(uvloop.Loop):
             async def getaddrinfo(self, host, *args, **kwargs):
@@ -66,3 +75,78 @@ if _TABLE:
                 return await super().create_connection(protocol_factory, cluster_ip(host) or host, *args, **kwargs)
 
         uvloop.Loop = _ClusterDnsLoop  # uvloop.new_event_loop() builds `Loop()`, looked up when called
+
+
+_POD_IP = os.environ.get("FLEETROUTE_TEST_POD_IP")
+_POLICIES = os.environ.get("FLEETROUTE_TEST_CLUSTER_NETPOL")
+_policy_cache = {"mtime": None, "table": None}
+
+
+def _policy_table():
+    try:
+        mtime = os.stat(_POLICIES).st_mtime_ns
+        if mtime != _policy_cache["mtime"]:
+            with open(_POLICIES, encoding="utf-8") as fh:
+                _policy_cache["table"], _policy_cache["mtime"] = json.load(fh), mtime
+    except (OSError, ValueError):
+        pass
+    return _policy_cache["table"]
+
+
+def _ipv4(host):
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv4Address)
+    except ValueError:
+        return False
+
+
+def police(host, port):
+    """Refuse a connection to host:port that no NetworkPolicy allows from this pod."""
+    table = _policy_table()
+    if table is None or not _ipv4(host):
+        return
+    from tests.cluster.policies import refusal  # here: only pods that connect somewhere pay for the import
+
+    why = refusal(table, _POD_IP, host, int(port))
+    if why is not None:
+        try:
+            with open(_POLICIES[:-len(".json")] + ".denied", "a", encoding="utf-8") as fh:
+                fh.write(why + "\n")
+        except OSError:
+            pass
+        raise ConnectionRefusedError(errno.ECONNREFUSED, why)
+
+
+if _POD_IP:
+    _connect, _connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def _as_the_pod(sock, address):
+        if sock.family != socket.AF_INET or sock.type != socket.SOCK_STREAM or not isinstance(address, tuple):
+            return
+        if sock.getsockname()[0] == "0.0.0.0" and _ipv4(address[0]) and address[0].startswith("127."):
+            sock.bind((_POD_IP, 0))
+        police(address[0], address[1])
+
+    def connect(self, address):
+        _as_the_pod(self, address)
+        return _connect(self, address)
+
+    def connect_ex(self, address):
+        try:
+            _as_the_pod(self, address)
+        except ConnectionRefusedError:
+            return errno.ECONNREFUSED
+        return _connect_ex(self, address)
+
+    socket.socket.connect, socket.socket.connect_ex = connect, connect_ex
+
+    if uvloop is not None:
+        class _PodLoop(uvloop.Loop):
+            async def create_connection(self, protocol_factory, host=None, port=None, *args, **kwargs):
+                address = cluster_ip(host) or host
+                if kwargs.get("sock") is None and _ipv4(address) and address.startswith("127."):
+                    kwargs.setdefault("local_addr", (_POD_IP, 0))
+                    police(address, port)
+                return await super().create_connection(protocol_factory, host, port, *args, **kwargs)
+
+        uvloop.Loop = _PodLoop
