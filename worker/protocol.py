@@ -38,6 +38,11 @@ Fields (all strings, as Redis stores them; a signal the agent could not read is 
 
 The TTL is a few intervals, so a dead agent's record disappears by itself rather than lying. Routers also
 judge age from `reported_at` and treat old records as unknown.
+
+Each field has a range no real agent leaves (`LIMITS`; ratios in [0, 1], counts >= 0 and below absurd
+bounds, numbers finite, `mem_used <= mem_total`): `out_of_range` names the first field outside it, and
+routers refuse such a record whole (docs/telemetry.md, "Trust"). `FIELD_NAMES` lists every field, so a
+reader fetches just these (HMGET) instead of whatever else a hash may hold.
 """
 
 from __future__ import annotations
@@ -129,8 +134,8 @@ _INT_FIELDS = {"mem_used_bytes", "mem_total_bytes", "throttle_reasons", "xid_err
 
 
 def _put(out: dict[str, str], key: str, value: object) -> None:
-    if value is None:
-        return
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return  # unknown (a NaN gauge, say) is left out, never written as "nan"
     if isinstance(value, bool):
         out[key] = "1" if value else "0"
     else:
@@ -158,8 +163,13 @@ def _float(raw: Mapping[str, str], key: str) -> float | None:
     value = raw.get(key)
     if value is None or value == "":
         return None
-    number = float(value)
-    return number if math.isfinite(number) else None  # NaN or inf would poison every comparison
+    return _finite(float(value), key)
+
+
+def _finite(number: float, key: str) -> float:
+    if not math.isfinite(number):  # NaN or inf would poison every comparison
+        raise ValueError(f"{key} is not a finite number")
+    return number
 
 
 def decode(raw: Mapping[str, str]) -> TelemetryRecord:
@@ -187,11 +197,67 @@ def decode(raw: Mapping[str, str]) -> TelemetryRecord:
             engine_kwargs[name] = _float(raw, key)
     return TelemetryRecord(
         endpoint_id=raw["endpoint_id"],
-        reported_at=float(raw["reported_at"]),
+        reported_at=_finite(float(raw["reported_at"]), "reported_at"),
         seq=int(raw.get("seq", "0")),
-        interval=float(raw.get("interval", "1")),
+        interval=_finite(float(raw.get("interval", "1")), "interval"),
         gpu_source=raw.get("gpu_source", "none"),
         gpu=GpuSample(**gpu_kwargs),  # type: ignore[arg-type]
         engine=EngineSample(**engine_kwargs),  # type: ignore[arg-type]
         prefix_cache_hit_rate=_float(raw, "prefix_cache_hit_rate"),
     )
+
+
+FIELD_NAMES: tuple[str, ...] = (
+    "schema", "endpoint_id", "reported_at", "seq", "interval", "gpu_source", "prefix_cache_hit_rate",
+    *_GPU_FIELDS.values(), *_ENGINE_FIELDS.values(),
+)
+GPU_SOURCES = ("nvml", "sim", "none")
+GPU_UTIL_KINDS = ("utilization", "gpm_sm_activity")
+
+_RATIO = (0.0, 1.0)
+_REQUESTS = (0.0, 1e6)  # requests waiting or running on one endpoint
+_TOKENS = (0.0, 2.0**53)  # cumulative token counters (exact as floats up to here)
+_EVENTS = (0, 2**32)  # error and page counts since the agent started
+# (low, high) per field of the record, inclusive; a None value (signal not read) is always fine.
+LIMITS: dict[str, tuple[float, float]] = {
+    "reported_at": (1.0, 1e11),  # Unix seconds, after 1970 and before the year 5000
+    "seq": (0, 2**63 - 1),
+    "interval": (1e-3, 3600.0),
+    "prefix_cache_hit_rate": _RATIO,
+    "gpu.util": _RATIO,
+    "gpu.mem_used_bytes": (0, 2**50),
+    "gpu.mem_total_bytes": (1, 2**50),
+    "gpu.temperature_c": (-60.0, 250.0),
+    "gpu.power_w": (0.0, 1e5),
+    "gpu.throttle_reasons": (0, 2**64 - 1),
+    "gpu.xid_errors": _EVENTS,
+    "gpu.ecc_uncorrected": _EVENTS,
+    "gpu.retired_pages": _EVENTS,
+    "engine.kv_cache_usage": _RATIO,
+    "engine.num_waiting": _REQUESTS,
+    "engine.num_running": _REQUESTS,
+    "engine.prefix_cache_queries": _TOKENS,
+    "engine.prefix_cache_hits": _TOKENS,
+    "engine.preemptions_total": _TOKENS,
+    "engine.kv_capacity_tokens": (1, 1e10),
+}
+
+
+def out_of_range(record: TelemetryRecord) -> str | None:
+    """The first field of `record` outside the schema's ranges, as "name value" (None: all within)."""
+    parts = {"gpu": record.gpu, "engine": record.engine}
+    for name, (low, high) in LIMITS.items():
+        holder, _, attr = name.rpartition(".")
+        value = getattr(parts[holder] if holder else record, attr)
+        if value is None:
+            continue
+        if not math.isfinite(value) or not low <= value <= high:
+            return f"{name} {value!r} not in [{low:g}, {high:g}]"
+    gpu = record.gpu
+    if gpu.mem_used_bytes is not None and gpu.mem_total_bytes and gpu.mem_used_bytes > gpu.mem_total_bytes:
+        return f"gpu.mem_used_bytes {gpu.mem_used_bytes} > gpu.mem_total_bytes {gpu.mem_total_bytes}"
+    if record.gpu_source not in GPU_SOURCES:
+        return f"gpu_source {record.gpu_source[:32]!r} not one of {', '.join(GPU_SOURCES)}"
+    if gpu.util_kind not in GPU_UTIL_KINDS:
+        return f"gpu_util_kind {gpu.util_kind[:32]!r} not one of {', '.join(GPU_UTIL_KINDS)}"
+    return None
