@@ -103,7 +103,8 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         if ctx.settings.redis.enabled:
             redis_store = RedisStore(connect_redis(ctx.settings.redis, timeout=telemetry.timeout))
             store = redis_store
-            tasks.append(asyncio.create_task(redis_store.listen(wake, telemetry.interval), name="telemetry-pubsub"))
+            tasks.append(asyncio.create_task(redis_store.listen(wake, telemetry.interval, ctx.metrics),
+                                             name="telemetry-pubsub"))
         else:
             memory = MemoryStore()
             store = memory

@@ -6,9 +6,11 @@ Every client in the process comes from `connect`, so they all behave alike:
 - binary replies (`decode_responses=False`): what Redis returns is untrusted, and each reader bounds a
   value's size before it decodes it (router/redis_input.py);
 - RESP2 replies (`protocol=2`), one reply shape whatever the server speaks;
-- short socket timeouts and no client-side retries: every caller already treats a failed command as "Redis
-  is unavailable this round" and goes on with what it has, so a retry loop would only make a request or a
-  refresh wait longer.
+- short socket timeouts, and one immediate retry on a broken connection only (a pooled connection that a
+  failover or an idle timeout closed: the retry reconnects, through the sentinels or the refreshed slot
+  map), never on a timeout: every caller already treats a failed command as "Redis is unavailable this
+  round" and goes on with what it has, so retrying a slow server would only make a request or a refresh
+  wait longer.
 
 Sentinel: redis-py's `Sentinel.master_for` asks the sentinels for the master's address on every new
 connection, and a connection to a master that was demoted fails with a connection error; the caller's next
@@ -27,9 +29,14 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError
 from redis.retry import Retry
 
 RedisClient = aioredis.Redis | RedisCluster
+
+
+def _retry() -> Retry:
+    return Retry(NoBackoff(), 1, supported_errors=(ConnectionError,))
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ def connect(settings: RedisSettings, *, timeout: float) -> RedisClient:
     """A client for the configured Redis; `timeout` bounds each connect and each command's reply."""
     common: dict[str, Any] = dict(
         decode_responses=False, protocol=2, socket_timeout=timeout, socket_connect_timeout=timeout,
-        retry=Retry(NoBackoff(), 0),
+        retry=_retry(),
     )
     if settings.username is not None:
         common["username"] = settings.username
@@ -84,7 +91,7 @@ def connect(settings: RedisSettings, *, timeout: float) -> RedisClient:
     if settings.sentinel is not None:
         s = settings.sentinel
         sentinel_kwargs: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout,
-                                               retry=Retry(NoBackoff(), 0), ssl=s.tls)
+                                               retry=_retry(), ssl=s.tls)
         if s.password is not None:
             sentinel_kwargs["password"] = s.password
         sentinel = Sentinel(list(s.addresses), sentinel_kwargs=sentinel_kwargs, db=s.db, ssl=s.tls, **common)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import aiohttp
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
 from router.background import contained
@@ -99,17 +100,21 @@ class RedisStore:
                 out[endpoint_id] = {k: v for k, v in zip(FIELD_NAMES, values, strict=True) if v is not None}
         return out
 
-    async def listen(self, wake: asyncio.Event, retry_after: float) -> None:
-        """Set `wake` whenever an agent announces a new record; reconnect after failures."""
+    async def listen(self, wake: asyncio.Event, retry_after: float, metrics: RouterMetrics) -> None:
+        """Set `wake` whenever an agent announces a new record (the message itself is never read);
+        reconnect after failures."""
         while True:
-            try:
-                async with self.client.pubsub() as pubsub:
-                    await pubsub.subscribe(UPDATES_CHANNEL)
-                    async for message in pubsub.listen():
-                        if message.get("type") == "message":
-                            wake.set()
-            except (RedisError, OSError):
-                pass  # the refresh loop reports Redis outages; here we only retry
+            with contained("telemetry_pubsub", metrics):
+                try:
+                    if isinstance(self.client, RedisCluster):
+                        await self.client.initialize()  # its pub/sub picks a node from the slot map
+                    async with self.client.pubsub() as pubsub:
+                        await pubsub.subscribe(UPDATES_CHANNEL)
+                        async for message in pubsub.listen():
+                            if message.get("type") == "message":
+                                wake.set()
+                except (RedisError, OSError):
+                    pass  # the refresh loop reports Redis outages; here we only retry
             await asyncio.sleep(retry_after)
 
     async def close(self) -> None:

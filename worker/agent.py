@@ -212,8 +212,8 @@ def redis_settings(args: argparse.Namespace) -> RedisSettings:
     sentinel: dict[str, object] = {}
     if args.redis_sentinel or args.redis_sentinel_master:
         sentinel["addresses"] = [a.strip() for a in (args.redis_sentinel or "").split(",") if a.strip()]
-        sentinel["masterName"] = args.redis_sentinel_master
-        for key, value in (("db", args.redis_sentinel_db), ("passwordEnv", args.redis_sentinel_password_env),
+        for key, value in (("masterName", args.redis_sentinel_master), ("db", args.redis_sentinel_db),
+                           ("passwordEnv", args.redis_sentinel_password_env),
                            ("passwordFile", args.redis_sentinel_password_file)):
             if value is not None:
                 sentinel[key] = value
