@@ -79,7 +79,7 @@ class MemoryStore:
 class RedisStore:
     """Reads the schema's fields of each endpoint's hash (HMGET: never more fields than the schema has),
     pipelined; on a Redis Cluster the pipeline is split by node. The client comes from
-    router.redis_client.connect (binary, short timeouts, no retries)."""
+    router.redis_client.connect (binary, short timeouts)."""
 
     def __init__(self, client: RedisClient) -> None:
         self.client = client
