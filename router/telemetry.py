@@ -55,8 +55,9 @@ from worker.protocol import (
 log = logging.getLogger("fleetroute.telemetry")
 
 MAX_VALUE_BYTES = 256  # per field; numbers need ~25, an endpoint id at most 253 (a DNS name)
+MAX_FIELDS = 2 * len(FIELD_NAMES)  # room for fields a newer agent adds within the schema version
 # A record as a store returns it: field -> raw value, or the error Redis answered for the key (WRONGTYPE).
-RawRecord = Mapping[str, bytes] | ResponseError
+RawRecord = Mapping[bytes, bytes] | ResponseError
 
 
 class TelemetryStore(Protocol):
@@ -67,19 +68,21 @@ class MemoryStore:
     """The embedded store: the newest record per endpoint, in this process."""
 
     def __init__(self) -> None:
-        self._records: dict[str, dict[str, bytes]] = {}
+        self._records: dict[str, dict[bytes, bytes]] = {}
 
     def put(self, record: TelemetryRecord) -> None:
-        self._records[record.endpoint_id] = {k: v.encode() for k, v in encode(record).items()}
+        self._records[record.endpoint_id] = {k.encode(): v.encode() for k, v in encode(record).items()}
 
     async def read(self, endpoint_ids: list[str]) -> dict[str, RawRecord]:
         return {i: self._records[i] for i in endpoint_ids if i in self._records}
 
 
 class RedisStore:
-    """Reads the schema's fields of each endpoint's hash (HMGET: never more fields than the schema has),
-    pipelined; on a Redis Cluster the pipeline is split by node. The client comes from
-    router.redis_client.connect (binary, short timeouts)."""
+    """Reads each endpoint's hash (HGETALL, pipelined; on a Redis Cluster the pipeline is split by node).
+    The client comes from router.redis_client.connect: binary, so `admit_record` sees the bytes and bounds
+    them before anything is decoded. (HMGET of the schema's fields would bound the field count on the wire
+    too, but packing its ~30 arguments per endpoint made every refresh markedly dearer, and one value can be
+    512 MB either way; `admit_record` refuses a record with more than MAX_FIELDS fields.)"""
 
     def __init__(self, client: RedisClient) -> None:
         self.client = client
@@ -87,7 +90,7 @@ class RedisStore:
     async def read(self, endpoint_ids: list[str]) -> dict[str, RawRecord]:
         async with self.client.pipeline(transaction=False) as pipe:
             for endpoint_id in endpoint_ids:
-                pipe.hmget(telemetry_key(endpoint_id), FIELD_NAMES)
+                pipe.hgetall(telemetry_key(endpoint_id))
             # A key of another type answers WRONGTYPE for that endpoint alone; a broken connection still raises.
             results = await pipe.execute(raise_on_error=False)
         out: dict[str, RawRecord] = {}
@@ -96,8 +99,8 @@ class RedisStore:
                 out[endpoint_id] = values
             elif isinstance(values, BaseException):
                 raise values
-            elif any(v is not None for v in values):
-                out[endpoint_id] = {k: v for k, v in zip(FIELD_NAMES, values, strict=True) if v is not None}
+            elif values:
+                out[endpoint_id] = values
         return out
 
     async def listen(self, wake: asyncio.Event, retry_after: float, metrics: RouterMetrics) -> None:
@@ -122,13 +125,14 @@ class RedisStore:
 
 
 def admit_record(endpoint_id: str, raw: RawRecord, *, wall_now: float) -> TelemetryRecord:
-    """The one way a telemetry record enters the router: each value at most MAX_VALUE_BYTES (checked before
-    decoding), the schema version this router reads, the endpoint the key names, every number finite and
-    within the schema's ranges (worker.protocol.LIMITS), and `reported_at` no further ahead of this router's
-    clock than MAX_CLOCK_SKEW (a future-dated record would never go stale). Raises Rejected."""
+    """The one way a telemetry record enters the router: at most MAX_FIELDS fields, each name and value at
+    most MAX_VALUE_BYTES (checked before decoding) and printable UTF-8, the schema version this router
+    reads, the endpoint the key names, every number finite and within the schema's ranges
+    (worker.protocol.LIMITS), and `reported_at` no further ahead of this router's clock than MAX_CLOCK_SKEW
+    (a future-dated record would never go stale). Raises Rejected."""
     if isinstance(raw, ResponseError):
         raise Rejected("wrong_type", f"the key is not a hash ({raw})")
-    fields = {name: text(value, max_bytes=MAX_VALUE_BYTES, what=name) for name, value in raw.items()}
+    fields = _texts(raw)
     try:
         record = decode(fields)
     except SchemaMismatch as exc:
@@ -143,6 +147,27 @@ def admit_record(endpoint_id: str, raw: RawRecord, *, wall_now: float) -> Teleme
     if record.reported_at > wall_now + MAX_CLOCK_SKEW:
         raise Rejected("future", f"reported_at is {record.reported_at - wall_now:.1f}s ahead of this router's clock")
     return record
+
+
+def _texts(raw: Mapping[bytes, bytes]) -> dict[str, str]:
+    """Every field name and value as printable UTF-8 of at most MAX_VALUE_BYTES, sizes checked before
+    anything is decoded (router.redis_input.text, with a fast path for the printable ASCII agents write:
+    this runs for every field of every endpoint every refresh)."""
+    if len(raw) > MAX_FIELDS:
+        raise Rejected("oversize", f"the record has {len(raw)} fields, at most {MAX_FIELDS} expected")
+    longest = max(max(map(len, raw.values()), default=0), max(map(len, raw), default=0))
+    if longest <= MAX_VALUE_BYTES:
+        try:
+            fields = {name.decode("ascii"): value.decode("ascii") for name, value in raw.items()}
+        except UnicodeDecodeError:
+            pass
+        else:
+            if all(map(str.isprintable, fields.values())) and all(map(str.isprintable, fields)):
+                return fields
+    # Not all printable ASCII: the general check says what is wrong, or admits printable UTF-8.
+    return {text(name, max_bytes=MAX_VALUE_BYTES, what="a field name"): text(value, max_bytes=MAX_VALUE_BYTES,
+                                                                              what=name.decode("utf-8", "replace"))
+            for name, value in raw.items()}
 
 
 def to_telemetry(record: TelemetryRecord, *, wall_now: float, mono_now: float) -> Telemetry:

@@ -185,7 +185,7 @@ async def test_the_kv_capacity_and_prefix_counters_reach_the_routers_telemetry(r
                                                      kv_capacity_tokens=1048576))
         await RedisPublisher(client, ttl=30).publish(record)
         raw = (await store.read([endpoint]))[endpoint]
-        assert raw["kv_capacity_tokens"] == b"1048576"
+        assert raw[b"kv_capacity_tokens"] == b"1048576"
         tel = to_telemetry(admit_record(endpoint, raw, wall_now=time.time()), wall_now=time.time(), mono_now=100.0)
         assert (tel.kv_capacity_tokens, tel.prefix_cache_hit_rate, tel.prefix_cache_queries,
                 tel.prefix_cache_hits) == (1048576, 0.25, 400.0, 100.0)

@@ -477,7 +477,7 @@ def _telemetry_hashes(draw: st.DrawFn) -> tuple[str, list[tuple[bytes, bytes]]]:
     for name, value in draw(st.lists(st.tuples(names, values), min_size=1, max_size=4)):
         fields[name] = value
     for name, value in draw(st.lists(st.tuples(st.binary(max_size=12), _redis_values), max_size=2)):
-        fields[name] = value  # fields no schema has (never read: HMGET asks for the schema's)
+        fields[name] = value  # fields no schema has: ignored, but bounded in size and number
     for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=3)):
         fields.pop(name, None)
     return draw(st.sampled_from(["hash"] * 5 + list(_REDIS_TYPES))), list(fields.items())

@@ -41,8 +41,7 @@ judge age from `reported_at` and treat old records as unknown.
 
 Each field has a range no real agent leaves (`LIMITS`; ratios in [0, 1], counts >= 0 and below absurd
 bounds, numbers finite, `mem_used <= mem_total`): `out_of_range` names the first field outside it, and
-routers refuse such a record whole (docs/telemetry.md, "Trust"). `FIELD_NAMES` lists every field, so a
-reader fetches just these (HMGET) instead of whatever else a hash may hold.
+routers refuse such a record whole (docs/telemetry.md, "Trust"). `FIELD_NAMES` lists every field.
 """
 
 from __future__ import annotations
@@ -243,15 +242,16 @@ LIMITS: dict[str, tuple[float, float]] = {
 }
 
 
+# (name, part, attribute, low, high), split once: the check runs for every record every refresh.
+_CHECKS = [(name, *name.rpartition(".")[::2], low, high) for name, (low, high) in LIMITS.items()]
+
+
 def out_of_range(record: TelemetryRecord) -> str | None:
     """The first field of `record` outside the schema's ranges, as "name value" (None: all within)."""
-    parts = {"gpu": record.gpu, "engine": record.engine}
-    for name, (low, high) in LIMITS.items():
-        holder, _, attr = name.rpartition(".")
-        value = getattr(parts[holder] if holder else record, attr)
-        if value is None:
-            continue
-        if not math.isfinite(value) or not low <= value <= high:
+    parts = {"": record, "gpu": record.gpu, "engine": record.engine}
+    for name, part, attr, low, high in _CHECKS:
+        value = getattr(parts[part], attr)
+        if value is not None and not low <= value <= high:  # NaN compares False: out of range too
             return f"{name} {value!r} not in [{low:g}, {high:g}]"
     gpu = record.gpu
     if gpu.mem_used_bytes is not None and gpu.mem_total_bytes and gpu.mem_used_bytes > gpu.mem_total_bytes:

@@ -6,7 +6,7 @@ Processes (each pinned when the machine has two cores: the router alone on one, 
 - the agent driver (`loadtest.scale.agents`): the real publisher and wire format, writes spread evenly
   over each second;
 - `fleetroute router` with the N endpoints configured and `redis.url` set: its telemetry feed is wired
-  exactly as shipped (`app._upstream`: `RedisStore` pipelined HMGETs, pub/sub wake-ups, `run_feed`
+  exactly as shipped (`app._upstream`: `RedisStore` pipelined HGETALLs, pub/sub wake-ups, `run_feed`
   refreshing at most every interval/4, one rebuild per refresh; `SharedLoads` exchanging in-flight counts).
   Its one policy has active health checks off and no request reaches it, so what it spends is the cost of
   ingesting (and of its idle housekeeping, measured separately first).
@@ -145,7 +145,7 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
 
 
 def read_cost(url: str, n: int, cpus: str | None, env: dict[str, str] | None, rounds: int = 5) -> dict[str, Any]:
-    """One full read as the router's `RedisStore` does it (N pipelined HMGETs), timed in a process of its
+    """One full read as the router's `RedisStore` does it (N pipelined HGETALLs), timed in a process of its
     own with the router's environment: its CPU (median of `rounds`) is what each refresh spends on Redis."""
     cmd = pinned([sys.executable, "-c", READ_COST, url, str(n), str(rounds)], cpus)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)

@@ -159,7 +159,7 @@ def render_ingest(runs: list[dict[str, Any]]) -> list[str]:
     row("router CPU, idle (no agents)", lambda r: _pct(r["idle"]["router_cpu_util"]))
     row("router CPU, ingesting", lambda r: f"**{_pct(r['ingesting']['router_cpu_util'])}**")
     row("ingestion CPU per report", lambda r: f"{_num(r['router_cpu_ms_per_report'], 3)} ms")
-    row("one full read (N pipelined HMGETs), CPU", lambda r: f"{_num(r['full_read'].get('cpu_ms'), 1)} ms")
+    row("one full read (N pipelined HGETALLs), CPU", lambda r: f"{_num(r['full_read'].get('cpu_ms'), 1)} ms")
     row("rebuilds per second", lambda r: _num(r["ingesting"]["rebuilds_per_s"], 1))
     row("Redis server CPU", lambda r: _pct(r["ingesting"]["redis_cpu_util"]))
     row("telemetry age p50 / p99 / max",
