@@ -11,9 +11,10 @@ counted and logged once, and the next interval tries again.
 The write is one MULTI over two keys, so both carry the hash tag `{loads}` and share a Redis Cluster slot.
 
 What other replicas wrote is untrusted (router/redis_input.py): the replica list is read newest first and
-at most MAX_REPLICAS long (`live_replicas`), only the endpoints this router routes to are read from each
-hash (HMGET, so a hash with a million fields costs nothing), and each count must be a decimal in
-[0, MAX_IN_FLIGHT] (`replica_counts`); anything else is counted in
+at most MAX_REPLICAS long (`live_replicas`); a replica's hash (HGETALL: it holds only the endpoints with
+requests in flight, so it is small) is dropped whole beyond MAX_ENDPOINTS fields, counts for endpoints this
+router does not route to are ignored, and each count must be a decimal in [0, MAX_IN_FLIGHT]
+(`replica_counts`); anything else is counted in
 `fleetroute_redis_rejected_values_total{data="in_flight"|"replica"}` and dropped.
 """
 
@@ -24,7 +25,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from redis.exceptions import RedisError, ResponseError
 
@@ -39,6 +40,7 @@ LOADS_PREFIX = "fleetroute:v1:{loads}:r:"
 REPLICAS_KEY = "fleetroute:v1:{loads}:replicas"
 MAX_REPLICAS = 256  # replicas read per round (the most recently seen first)
 MAX_IN_FLIGHT = 1_000_000  # one replica's requests in flight to one endpoint
+MAX_ENDPOINTS = 100_000  # endpoints in one replica's hash
 MAX_REPLICA_ID_BYTES = 256
 
 
@@ -61,18 +63,22 @@ def live_replicas(members: Sequence[bytes], *, reject: Callable[[Rejected], None
     return out
 
 
-def replica_counts(endpoints: Sequence[str], values: Sequence[bytes | None] | ResponseError, *,
+def replica_counts(fields: Mapping[bytes, bytes] | ResponseError, known: Collection[str], *,
                    reject: Callable[[Rejected], None]) -> dict[str, int]:
-    """One replica's in-flight counts (HMGET of `endpoints`): each a decimal in [0, MAX_IN_FLIGHT], the
+    """One replica's in-flight counts for the `known` endpoints: each a decimal in [0, MAX_IN_FLIGHT], the
     rest dropped. A 4,000-digit count would otherwise overflow the load bound's float arithmetic on the
     request path, and a 5,000-digit one make int() raise in every round."""
-    if isinstance(values, ResponseError):
-        reject(Rejected("wrong_type", f"the key is not a hash ({values})"))
+    if isinstance(fields, ResponseError):
+        reject(Rejected("wrong_type", f"the key is not a hash ({fields})"))
+        return {}
+    if len(fields) > MAX_ENDPOINTS:
+        reject(Rejected("oversize", f"{len(fields)} endpoints, at most {MAX_ENDPOINTS} expected"))
         return {}
     counts: dict[str, int] = {}
-    for endpoint, raw in zip(endpoints, values, strict=True):
-        if raw is None:
-            continue
+    for name, raw in fields.items():
+        endpoint = name.decode("utf-8", "replace")
+        if endpoint not in known:
+            continue  # another pool's endpoint, or garbage: nothing this router would ask about
         try:
             counts[endpoint] = bounded_int(raw, high=MAX_IN_FLIGHT, what=f"in-flight count for {endpoint}")
         except Rejected as exc:
@@ -111,7 +117,7 @@ class SharedLoads:
         """Publish this replica's counts and read the others'. Never raises for Redis trouble."""
         now = self._wall()
         key = LOADS_PREFIX + self.replica
-        endpoints = self._endpoints()
+        known = set(self._endpoints())
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.delete(key)
@@ -137,11 +143,11 @@ class SharedLoads:
                 members = []
             replicas = live_replicas(members, reject=self._replica_rejected)
             others = [r for r in replicas if r != self.replica]
-            hashes: list[list[bytes | None] | ResponseError] = []
-            if others and endpoints:
+            hashes: list[dict[bytes, bytes] | ResponseError] = []
+            if others:
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for other in others:
-                        pipe.hmget(LOADS_PREFIX + other, endpoints)
+                        pipe.hgetall(LOADS_PREFIX + other)
                     hashes = await pipe.execute(raise_on_error=False)
         except (RedisError, OSError) as exc:
             self._metrics.shared_state_errors.inc()
@@ -156,7 +162,7 @@ class SharedLoads:
             self._down = False
         total: dict[str, int] = {}
         for values in hashes:
-            for endpoint, count in replica_counts(endpoints, values, reject=self._count_rejected).items():
+            for endpoint, count in replica_counts(values, known, reject=self._count_rejected).items():
                 total[endpoint] = total.get(endpoint, 0) + count
         self._loads.others = total
         self._metrics.router_replicas.set(len(others) + 1)
