@@ -278,8 +278,8 @@ class RouterMetrics:
         )
         self.background_errors = Counter(
             "fleetroute_background_errors",
-            "Unexpected errors in a step of a background loop (telemetry, housekeeping, health checks); the "
-            "loop goes on. Any increase is a bug worth reporting.",
+            "Unexpected errors in a step of a background loop (telemetry, telemetry_pubsub, housekeeping, "
+            "health_checks, prefix_upkeep); the loop goes on. Any increase is a bug worth reporting.",
             ["task"],
             registry=r,
         )
