@@ -32,14 +32,20 @@ def server_binary() -> str:
         return found
 
 
-
-
 class RedisServer:
-    """One server process; `start()` again after `kill()` brings it back on the same port."""
+    """One server process; `start()` again after `kill()` brings it back on the same port.
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    `args` are more server options (`--requirepass`, `--cluster-enabled yes`, `--replicaof ...`); `config`
+    is a configuration file read first (a sentinel needs one it can rewrite), and `ready` the log line
+    that says the server accepts connections (a sentinel logs `+monitor` instead)."""
+
+    def __init__(self, directory: Path, port: int | None = None, *, args: tuple[str, ...] = (),
+                 config: Path | None = None, ready: bytes = b"Ready to accept connections") -> None:
         self.port = port or free_port()
         self.directory = directory
+        self.args = args
+        self.config = config
+        self.ready = ready
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -47,9 +53,11 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 20.0) -> RedisServer:
+        config = [str(self.config)] if self.config is not None else []
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
-            [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory)],
+            [server_binary(), *config, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.directory), *self.args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
             # Own session: a terminal's Ctrl-C reaches only our process, which stops the agents before Redis.
             start_new_session=True,
@@ -66,7 +74,7 @@ class RedisServer:
             if not chunk:
                 raise RuntimeError(f"redis server exited with {self.process.wait()}")
             log = log[-4096:] + chunk
-            if b"Ready to accept connections" in log:  # its own log says when it accepts connections
+            if self.ready in log:  # its own log says when it accepts connections
                 # Nobody reads the log from here on: close it so a full pipe can never stall the server.
                 stdout.close()
                 return self

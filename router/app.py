@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
-import redis.asyncio as aioredis
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -45,6 +44,7 @@ from router.policies.registry import PolicyRegistry
 from router.prefix_sharing import PrefixSharing
 from router.prefix_upkeep import PrefixUpkeep, run_upkeep
 from router.proxy import Proxy
+from router.redis_client import connect as connect_redis
 from router.settings import Settings
 from router.shared_loads import SharedLoads, replica_id
 from router.status.page import add_status_page
@@ -114,10 +114,11 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
     if telemetry.enabled:
         wake = asyncio.Event()
         before_refresh = None
-        if ctx.settings.redis.url is not None:
-            redis_store = RedisStore(ctx.settings.redis.url, timeout=telemetry.timeout)
+        if ctx.settings.redis.enabled:
+            redis_store = RedisStore(connect_redis(ctx.settings.redis, timeout=telemetry.timeout))
             store = redis_store
-            tasks.append(asyncio.create_task(redis_store.listen(wake, telemetry.interval), name="telemetry-pubsub"))
+            tasks.append(asyncio.create_task(redis_store.listen(wake, telemetry.interval, ctx.metrics),
+                                             name="telemetry-pubsub"))
         else:
             memory = MemoryStore()
             store = memory
@@ -197,14 +198,13 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
     ctx = app[CONTEXT]
     settings = ctx.settings
     client = None
-    if settings.redis.url is not None:
+    if settings.redis.enabled:
         # Pins are read on the request path (on a local miss): fail fast rather than make a request wait.
-        client = aioredis.from_url(settings.redis.url, decode_responses=True, socket_timeout=0.1,
-                                   socket_connect_timeout=0.1, retry_on_timeout=False)
+        client = connect_redis(settings.redis, timeout=0.1)
     ctx.sticky_redis = client
     sync_sticky_tables(ctx)
-    shared = SharedLoads(redis=client, loads=ctx.loads, metrics=ctx.metrics,
-                         interval=settings.telemetry.interval) if client is not None else None
+    shared = SharedLoads(redis=client, loads=ctx.loads, metrics=ctx.metrics, interval=settings.telemetry.interval,
+                         endpoints=lambda: [ep.id for ep in ctx.balancer.endpoints()]) if client is not None else None
     ctx.shared_loads = shared
     task = asyncio.create_task(_housekeeping(ctx, shared), name="fleetroute-housekeeping")
     try:
@@ -221,15 +221,13 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
 
 async def _prefix_upkeep(app: web.Application) -> AsyncIterator[None]:
     """The prefix-aware policy's background task: index clock, tuning against the engines' hit rates, and,
-    with Redis, sharing the index with the other replicas (its own binary client: hashes travel packed)."""
+    with Redis, sharing the index with the other replicas (its own client, with the telemetry timeout)."""
     ctx = app[CONTEXT]
     settings = ctx.settings
     client = None
     sharing = None
-    if settings.redis.url is not None:
-        client = aioredis.from_url(settings.redis.url, decode_responses=False, protocol=2,
-                                   socket_timeout=settings.telemetry.timeout,
-                                   socket_connect_timeout=settings.telemetry.timeout, retry_on_timeout=False)
+    if settings.redis.enabled:
+        client = connect_redis(settings.redis, timeout=settings.telemetry.timeout)
         router_id = ctx.shared_loads.replica if ctx.shared_loads is not None else replica_id()
         sharing = PrefixSharing(redis=client, router_id=router_id, metrics=ctx.metrics, clock=ctx.clock)
     upkeep = ctx.prefix_upkeep = PrefixUpkeep(balancer=ctx.balancer, metrics=ctx.metrics, sharing=sharing,

@@ -84,6 +84,10 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
                                                counts and prefix indexes. Without: the router
                                                scrapes engines itself
                                                (gpuSource: sim adds a simulator's /sim/gpu)
+         {..., cluster: true}                  url is any node of a Redis Cluster
+         {sentinel: {masterName: NAME, addresses: ["HOST:PORT", ...], db: 0, tls: false,
+                     passwordEnv: VAR}}        a Sentinel-watched master, instead of url
+         {..., username: NAME, passwordEnv: VAR}   or passwordFile: FILE; never the password itself
   logging: {level: info, accessLog: true}
   auth: {apiKeysFile: FILE, apiKeysEnv: VAR, upstreamApiKeyEnv: VAR}
                                                client API keys ("KEY explain" may ask for routing
@@ -114,7 +118,7 @@ presets (`preset: NAME` in a policy or a RoutingPolicy spec; --show-preset NAME 
 
 environment:
   FLEETROUTE_CONFIG                            config path when --config is not given
-  REDIS_URL                                    Redis when the config has no redis.url key
+  REDIS_URL                                    Redis when the config has no redis.url or redis.sentinel
   FLEETROUTE_ADMIN_TOKEN                       the admin token (unless admin.tokenEnv names another)
   FLEETROUTE_LISTEN_HOST, FLEETROUTE_LISTEN_PORT, FLEETROUTE_ADMIN_HOST, FLEETROUTE_ADMIN_PORT
                                                override listen/admin addresses

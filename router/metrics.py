@@ -188,7 +188,9 @@ class RouterMetrics:
         )
         self.telemetry_rejected = Counter(
             "fleetroute_telemetry_rejected_records",
-            "Telemetry records ignored, by reason: schema (another schema version), malformed, wrong_endpoint.",
+            "Telemetry records ignored, by reason: schema (another schema version), malformed, wrong_endpoint, "
+            "oversize (a value over 256 bytes), out_of_range (a value no agent reports: negative, a ratio over 1, "
+            "an absurd count), future (reported_at ahead of this router's clock), wrong_type (the key is no hash).",
             ["reason"],
             registry=r,
         )
@@ -209,6 +211,13 @@ class RouterMetrics:
         self.sticky_store_errors = Counter(
             "fleetroute_sticky_store_errors",
             "Failed reads or writes of session pins in Redis (stickiness then uses this router's table).",
+            registry=r,
+        )
+        self.redis_rejected = Counter(
+            "fleetroute_redis_rejected_values",
+            "Values read from Redis and dropped, by data (sticky_pin, in_flight, replica, prefix_entry) and reason "
+            "(oversize, malformed, out_of_range, future, wrong_type).",
+            ["data", "reason"],
             registry=r,
         )
         self.shared_state_errors = Counter(
@@ -278,8 +287,8 @@ class RouterMetrics:
         )
         self.background_errors = Counter(
             "fleetroute_background_errors",
-            "Unexpected errors in a step of a background loop (telemetry, housekeeping, health checks); the "
-            "loop goes on. Any increase is a bug worth reporting.",
+            "Unexpected errors in a step of a background loop (telemetry, telemetry_pubsub, housekeeping, "
+            "health_checks, prefix_upkeep); the loop goes on. Any increase is a bug worth reporting.",
             ["task"],
             registry=r,
         )

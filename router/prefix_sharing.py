@@ -15,11 +15,12 @@ hash differently, so they use another stream):
 
 A round (every ~250 ms, in the background; pickers only append to the index's outbox):
 
-    1. pipeline: TIME; per pool with queued blocks, XADD one entry (the oldest ENTRY_HASHES blocks) and
-       PEXPIRE the stream to the TTL (a stream nobody writes to disappears)
-    2. pipeline: XTRIM MINID (server time - ttl) and XTRIM MAXLEN maxStreamEntries for the streams just
-       written (exact trimming: entries older than the TTL are gone after each write); then one XREAD of
-       every pool's stream from its cursor, COUNT READ_COUNT entries each
+    1. TIME (on its own: redis-py does not pipeline it to a Redis Cluster)
+    2. one pipeline: per pool with queued blocks, XADD one entry (the oldest ENTRY_HASHES blocks), PEXPIRE
+       the stream to the TTL (a stream nobody writes to disappears), XTRIM MINID (server time - ttl) and
+       XTRIM MAXLEN maxStreamEntries (exact trimming: entries older than the TTL are gone after each write);
+       then per pool one XREAD from its cursor, COUNT READ_COUNT entries. Each command names one stream,
+       so on a Redis Cluster the pipeline is split by node and no hash tag is needed.
 
 Ids are assigned by the Redis server, so the TTL is judged on one clock (the server's), never on the
 replicas' skewed wall clocks. A replica meeting a pool for the first time (start-up, or a policy whose
@@ -27,6 +28,15 @@ parameters changed) reads from `server time - ttl`: it warms up from the last TT
 bounded amount (MAXLEN) applied MERGE_BUDGET hashes per round. Entries older than the TTL when read (after
 an outage, say) are skipped and counted as expired; blocks for endpoints this router does not know are
 ignored (a bound on what garbage in the stream can cost).
+
+Entries are untrusted (router/redis_input.py): `entry_blocks` admits one only if it is at most
+MAX_ENTRY_BYTES with at most ENTRY_HASHES blocks in whole 8-byte hashes, names printable endpoint ids, and
+its id is not dated past the server's time by more than FUTURE_ALLOWANCE; anything else is counted in
+`fleetroute_redis_rejected_values_total{data="prefix_entry"}` and skipped without being unpacked. The merge
+budget is in bytes of entries looked at (an oversize entry costs the cap), so one huge entry cannot stall
+the event loop. A future-dated entry poisons its stream (Redis gives every later entry an id after it, so
+none would ever expire): the stream is deleted, and the replicas start it afresh; so is a key of another
+type where a stream belongs (only routers write these keys, and the stream is a cache they rebuild).
 
 Memory: Redis holds at most maxStreamEntries x (ENTRY_HASHES x 8 B + ~100 B) per pool (8192 entries: 64 MiB
 worst case; a replica flushing 4 times a second with 50 new blocks per flush writes ~1.6 KB/s). Each
@@ -49,18 +59,24 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from router.metrics import RouterMetrics
 from router.policies.prefix_index import PrefixIndex
+from router.redis_client import RedisClient
+from router.redis_input import Rejected, RejectionLog, text
 
 log = logging.getLogger("fleetroute.prefix_sharing")
 
 STREAM_PREFIX = "fleetroute:v1:prefix:"
 ENTRY_HASHES = 1024  # blocks per stream entry (8 KiB): one entry per pool per round
 READ_COUNT = 32  # stream entries read per pool per round
-MERGE_BUDGET = 32768  # received blocks applied per round, all pools together (~10 ms of CPU)
+MERGE_BUDGET = 32768 * 8  # bytes of entries looked at per round, all pools together (~10 ms of CPU)
+MAX_ENTRY_BYTES = ENTRY_HASHES * 8 + 16 * 1024  # the blocks, plus room for endpoint ids and the router id
+MAX_ENDPOINT_ID_BYTES = 253
+# Ids are judged against TIME, which on a cluster may come from another node than the stream's: a minute
+# covers nodes whose clocks are not synchronised; an id further ahead was given by a writer, not the server.
+FUTURE_ALLOWANCE_MS = 60_000
 MAX_BACKOFF = 5.0
 ROUTER_FIELD = b"router"
 ENDPOINT_FIELD = b"e:"
@@ -74,10 +90,46 @@ def pack(hashes: list[int]) -> bytes:
     return struct.pack(f"<{len(hashes)}Q", *hashes)
 
 
-def unpack(data: bytes) -> list[int] | None:
-    if len(data) % 8:
-        return None
+def unpack(data: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(data) // 8}Q", data))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One admitted stream entry."""
+
+    ms: int  # when the server added it (the id's milliseconds)
+    router: bytes | None  # the writer's id
+    blocks: dict[str, list[int]]  # endpoint id -> block hashes, oldest first
+
+
+def entry_size(fields: dict[bytes, bytes]) -> int:
+    return sum(len(name) + len(value) for name, value in fields.items())
+
+
+def entry_blocks(entry_id: bytes, fields: dict[bytes, bytes], *, server_ms: int) -> Entry:
+    """The one way a shared-index entry enters the router: size and block count within what a router
+    writes (checked before anything is unpacked), whole 8-byte hashes, printable endpoint ids, and an id
+    not dated in the future. Raises Rejected."""
+    ms = _ms(entry_id)
+    if ms > server_ms + FUTURE_ALLOWANCE_MS:
+        raise Rejected("future", f"entry {entry_id[:40]!r} is dated {(ms - server_ms) / 1000:.0f}s ahead of the server")
+    size = entry_size(fields)
+    if size > MAX_ENTRY_BYTES:
+        raise Rejected("oversize", f"entry is {size} bytes, at most {MAX_ENTRY_BYTES} expected")
+    blocks: dict[str, list[int]] = {}
+    count = 0
+    for name, value in fields.items():
+        if not name.startswith(ENDPOINT_FIELD):
+            continue
+        if len(value) % 8:
+            raise Rejected("malformed", f"{len(value)} bytes of block hashes, not a multiple of 8")
+        count += len(value) // 8
+        if count > ENTRY_HASHES:
+            raise Rejected("oversize", f"entry has more than {ENTRY_HASHES} blocks")
+        endpoint = text(name[len(ENDPOINT_FIELD):], max_bytes=MAX_ENDPOINT_ID_BYTES, what="endpoint id")
+        blocks[endpoint] = unpack(value)
+    return Entry(ms=ms, router=fields.get(ROUTER_FIELD), blocks=blocks)
 
 
 @dataclass(frozen=True)
@@ -99,9 +151,9 @@ class _Cursor:
     caught_up: bool = False
 
 
-def _stream_entries(reply: Any) -> dict[bytes, list[tuple[bytes, dict[bytes, bytes]]]]:
-    """XREAD's RESP2 reply, [[key, [(id, fields), ...]], ...], as {key: [(id, fields), ...]}."""
-    return {key: list(entries) for key, entries in reply or ()}
+def _stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """One stream's entries from XREAD's RESP2 reply, [[key, [(id, fields), ...]]] (empty: nothing new)."""
+    return [entry for _key, entries in reply or () for entry in entries]
 
 
 def _ms(entry_id: bytes) -> int:
@@ -112,13 +164,13 @@ class PrefixSharing:
     def __init__(
         self,
         *,
-        redis: aioredis.Redis,
+        redis: RedisClient,
         router_id: str,
         metrics: RouterMetrics,
         base_delay: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._redis = redis  # binary (decode_responses=False): hashes travel packed
+        self._redis = redis  # binary, as every client (router/redis_client.py): hashes travel packed
         self.router_id = router_id
         self._router = router_id.encode()
         self._metrics = metrics
@@ -128,6 +180,8 @@ class PrefixSharing:
         self._failures = 0
         self._retry_at = 0.0
         self.up: bool | None = None  # None until the first exchange
+        self._rejected = RejectionLog(what="prefix stream entry", logger=log,
+                                      count=lambda reason: metrics.redis_rejected.labels("prefix_entry", reason).inc())
 
     async def exchange(self, pools: Iterable[SharedPool]) -> None:
         """Publish each pool's queued blocks and apply the other replicas' new ones. Never raises for Redis
@@ -146,31 +200,38 @@ class PrefixSharing:
         batches = [(pool, pool.index.pending(ENTRY_HASHES)) for pool in pools]
         written = [(pool, batch) for pool, batch in batches if batch]
         try:
+            seconds, micros = await self._redis.time()
+            server_ms = int(seconds) * 1000 + int(micros) // 1000
+            streams = {pool.key: self._cursor(pool, server_ms) for pool in pools}
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.time()
                 for pool, batch in written:
                     fields: dict[bytes, bytes] = {ROUTER_FIELD: self._router}
                     for endpoint_id, hashes in batch.items():
                         fields[ENDPOINT_FIELD + endpoint_id.encode()] = pack(hashes)
                     pipe.xadd(pool.key, fields)  # type: ignore[arg-type]
                     pipe.pexpire(pool.key, int(pool.ttl * 1000))
-                first = await pipe.execute()
-            seconds, micros = first[0]
-            server_ms = int(seconds) * 1000 + int(micros) // 1000
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for pool, _batch in written:
                     pipe.xtrim(pool.key, minid=f"{server_ms - int(pool.ttl * 1000)}-0", approximate=False)
                     pipe.xtrim(pool.key, maxlen=pool.max_entries, approximate=False)
-                streams = {pool.key: self._cursor(pool, server_ms) for pool in pools}
-                pipe.xread(streams, count=READ_COUNT)  # type: ignore[arg-type]
-                reply = (await pipe.execute())[-1]
+                for key, cursor in streams.items():
+                    pipe.xread({key: cursor}, count=READ_COUNT)
+                # A stream key holding another type answers WRONGTYPE for that pool alone.
+                replies = await pipe.execute(raise_on_error=False)
+            for reply in replies:
+                if isinstance(reply, BaseException) and not isinstance(reply, ResponseError):
+                    raise reply
         except (RedisError, OSError) as exc:
-            # The batch stays queued. If only the second pipeline failed, the entry is in Redis already and
-            # is sent again next time: a duplicate costs a second merge of the same blocks, nothing more.
+            # The batch stays queued. If the entry reached Redis before the failure, it is sent again next
+            # time: a duplicate costs a second merge of the same blocks, nothing more.
             self._failed(exc)
             return
         published = 0
-        for pool, batch in written:
+        broken: list[str] = []  # keys of another type, or poisoned streams: deleted below
+        for i, (pool, batch) in enumerate(written):
+            added = replies[4 * i]
+            if isinstance(added, ResponseError):
+                self._rejected(Rejected("wrong_type", f"the key is not a stream ({added})"), stream=pool.key)
+                broken.append(pool.key)
+                continue  # stays queued, sent next round to the stream that replaces the garbage
             pool.index.sent(batch)
             published += sum(len(h) for h in batch.values())
         if published:
@@ -182,7 +243,14 @@ class PrefixSharing:
             self.up = True
             self._failures = 0
             self._metrics.prefix_sharing_up.set(1)
-        self._apply(pools, _stream_entries(reply), server_ms)
+        read = replies[4 * len(written):]
+        broken += self._apply(pools, dict(zip(streams, read, strict=True)), server_ms)
+        for key in dict.fromkeys(broken):
+            try:
+                await self._redis.delete(key)
+            except (RedisError, OSError) as exc:
+                self._failed(exc)
+                return
 
     def _cursor(self, pool: SharedPool, server_ms: int) -> bytes:
         cursor = self._cursors.get(pool.key)
@@ -192,31 +260,42 @@ class PrefixSharing:
             cursor.last_id = f"{max(0, server_ms - int(pool.ttl * 1000))}-0".encode()
         return cursor.last_id
 
-    def _apply(self, pools: list[SharedPool], entries: dict[bytes, list[tuple[bytes, dict[bytes, bytes]]]],
-               server_ms: int) -> None:
+    def _apply(self, pools: list[SharedPool], replies: dict[str, Any], server_ms: int) -> list[str]:
+        """Merge what each pool's XREAD returned, within the round's byte budget; returns the streams to
+        delete: keys of another type, and streams a future-dated entry poisoned."""
         budget = MERGE_BUDGET
         counts = {"received": 0, "expired": 0, "ignored": 0}
+        poisoned: list[str] = []
         for pool in pools:
             cursor = self._cursors[pool.key]
-            got = entries.get(pool.key.encode(), [])
+            reply = replies[pool.key]
+            if isinstance(reply, ResponseError):
+                self._rejected(Rejected("wrong_type", f"the key is not a stream ({reply})"), stream=pool.key)
+                poisoned.append(pool.key)
+                continue
+            got = _stream_entries(reply)
             cutoff = server_ms - int(pool.ttl * 1000)
             done = 0
             for entry_id, fields in got:
                 if budget <= 0:
                     break
                 done += 1
-                cursor.last_id = entry_id
-                if fields.get(ROUTER_FIELD) == self._router:
+                budget -= min(entry_size(fields), MAX_ENTRY_BYTES)
+                try:
+                    entry = entry_blocks(entry_id, fields, server_ms=server_ms)
+                except Rejected as exc:
+                    self._rejected(exc, stream=pool.key)
+                    if exc.reason == "future":
+                        poisoned.append(pool.key)
+                        cursor.last_id = None  # start afresh from server time - ttl
+                        break
+                    cursor.last_id = entry_id
                     continue
-                for name, value in fields.items():
-                    if not name.startswith(ENDPOINT_FIELD):
-                        continue
-                    hashes = unpack(value)
-                    if hashes is None:
-                        counts["ignored"] += 1
-                        continue
-                    endpoint_id = name[len(ENDPOINT_FIELD):].decode("utf-8", "replace")
-                    if _ms(entry_id) < cutoff:
+                cursor.last_id = entry_id
+                if entry.router == self._router:
+                    continue
+                for endpoint_id, hashes in entry.blocks.items():
+                    if entry.ms < cutoff:
                         counts["expired"] += len(hashes)
                     elif endpoint_id not in pool.endpoints:
                         counts["ignored"] += len(hashes)
@@ -224,14 +303,14 @@ class PrefixSharing:
                         pool.index.merge(endpoint_id, hashes)
                         cursor.learned += len(hashes)
                         counts["received"] += len(hashes)
-                        budget -= len(hashes)
-            if not cursor.caught_up and done == len(got) and len(got) < READ_COUNT:
+            if not cursor.caught_up and done == len(got) and len(got) < READ_COUNT and pool.key not in poisoned:
                 cursor.caught_up = True
                 log.info("prefix index caught up with the shared stream",
                          extra={"stream": pool.key, "learned_blocks": cursor.learned, "router_id": self.router_id})
         for outcome, n in counts.items():
             if n:
                 self._metrics.prefix_shared_blocks.labels(outcome).inc(n)
+        return poisoned
 
     def _failed(self, exc: BaseException) -> None:
         self._metrics.prefix_sharing_errors.inc()

@@ -35,6 +35,7 @@ from router.model import Endpoint
 from router.policies.base import PolicyConfigError
 from router.policies.consistent_hash import HashKey, parse_key
 from router.policies.registry import PolicyRegistry
+from router.redis_client import RedisSettings, SentinelSettings
 from router.sticky import StickinessSettings
 
 if TYPE_CHECKING:  # parsed by their own modules, which build on this one's field reader
@@ -146,11 +147,6 @@ class TelemetrySettings:
     stale_after: float = 5.0
     timeout: float = 0.5  # per store read / per engine scrape
     gpu_source: str = "none"  # embedded mode: "sim" also reads a simulator's /sim/gpu
-
-
-@dataclass(frozen=True)
-class RedisSettings:
-    url: str | None = None  # None: no Redis, telemetry is embedded
 
 
 @dataclass(frozen=True)
@@ -581,20 +577,96 @@ def _stickiness(f: Fields) -> StickinessSettings:
 
 
 def _redis(top: Fields) -> RedisSettings:
-    """`redis: {url: ...}`; without the key, $REDIS_URL; `url: null` turns Redis off explicitly."""
+    """`redis:` (router/redis_client.py connects): a standalone server or a cluster node by `url` (without the
+    key, $REDIS_URL; `url: null` turns Redis off), or a Sentinel-watched master by `sentinel`; the password
+    from `passwordEnv` or `passwordFile`, never from this file."""
     sub = top.sub("redis")
-    if sub.has("url"):
+    sentinel = _sentinel(sub.sub("sentinel")) if sub.get("sentinel") is not None else None
+    if sub.has("url") or sentinel is not None:
         url = sub.get("url")
         where = sub.at("url")
     else:
         url = os.environ.get("REDIS_URL") or None
         where = "$REDIS_URL"
+    cluster = sub.boolean("cluster", False)
+    username = sub.string("username") if sub.get("username") is not None else None
+    password, source = _secret(sub, "password")
     sub.done()
+    if sentinel is not None:
+        if url is not None:
+            raise ConfigError(where, "must be left out with redis.sentinel (the sentinels name the master)")
+        if cluster:
+            raise ConfigError(sub.at("cluster"), "cannot be combined with redis.sentinel")
+        return RedisSettings(sentinel=sentinel, username=username, password=password, password_source=source)
     if url is None:
+        if password is not None or username is not None or cluster:
+            raise ConfigError(sub.path, "has connection options but no url or sentinel (Redis is off)")
         return RedisSettings()
-    if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(where, f"must be a redis://, rediss:// or unix:// URL, got {_show(url)}")
-    return RedisSettings(url=url)
+    if password is not None and parts.password:
+        raise ConfigError(where, "carries a password and redis.passwordEnv/passwordFile gives another: keep one")
+    if cluster and (parts.scheme == "unix" or parts.path not in ("", "/", "/0")):
+        raise ConfigError(where, "must be redis:// or rediss:// with database 0 for a cluster")
+    return RedisSettings(url=url, cluster=cluster, username=username, password=password, password_source=source)
+
+
+def parse_redis(block: Any) -> RedisSettings:
+    """A `redis:` block on its own (the agent's --redis* flags); errors name `redis.<field>`."""
+    return _redis(Fields({"redis": block}, ""))
+
+
+def _sentinel(f: Fields) -> SentinelSettings:
+    master = f.string("masterName")
+    addresses: list[tuple[str, int]] = []
+    for path, item in f.items("addresses"):
+        host, _, port = item.rpartition(":") if isinstance(item, str) else ("", "", "")
+        host = host.strip("[]")  # [::1]:26379
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(path, f"must be host:port, got {_show(item)}")
+        addresses.append((host, int(port)))
+    if not addresses:
+        raise ConfigError(f.at("addresses"), "must list at least one sentinel as host:port")
+    if len(addresses) > 32:
+        raise ConfigError(f.at("addresses"), f"lists {len(addresses)} sentinels, at most 32 are allowed")
+    db = f.integer("db", 0, minimum=0, maximum=1023)
+    tls = f.boolean("tls", False)
+    password, _ = _secret(f, "password")
+    f.done()
+    return SentinelSettings(master_name=master, addresses=tuple(addresses), db=db, tls=tls, password=password)
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _secret(f: Fields, name: str) -> tuple[str | None, str | None]:
+    """`<name>Env` or `<name>File`: the secret read now (a file's trailing newline dropped), and its source."""
+    env_key, file_key = f"{name}Env", f"{name}File"
+    env, path = f.get(env_key), f.get(file_key)
+    if env is not None and path is not None:
+        raise ConfigError(f.at(file_key), f"give {env_key} or {file_key}, not both")
+    if env is not None:
+        env = f.string(env_key)
+        if not _ENV_NAME.match(env):
+            raise ConfigError(f.at(env_key), f"must be an environment variable name, got {env!r}")
+        value = os.environ.get(env, "")
+        if not value:
+            raise ConfigError(f.at(env_key), f"environment variable {env} is not set or empty")
+        return value, f"${env}"
+    if path is not None:
+        path = f.string(file_key)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                value = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(f.at(file_key), f"cannot read {path!r}: {reason}") from None
+        value = value.rstrip("\r\n")  # a Secret mounted as a file, or `echo` into one
+        if not value:
+            raise ConfigError(f.at(file_key), f"{path!r} is empty")
+        return value, f"file {path}"
+    return None, None
 
 
 # Kubernetes names, as the API server validates them (apimachinery validation): a DNS-1123 label (namespace),

@@ -17,6 +17,12 @@ The session key is client input of any length (a `user` field may be megabytes).
 (no secret, no per-process seed), so a pin costs the same whatever the key, and neither the tables nor
 Redis hold a client's identifier. Pins written before this format (keyed by the raw session) are simply not
 found after an upgrade: their sessions are re-pinned once, and the old keys expire with their TTL.
+
+A pin read from Redis is untrusted (router/redis_input.py): it is read with GETRANGE, so at most
+MAX_PIN_BYTES + 1 bytes come back whatever the key holds, and `pinned_endpoint` admits it only as printable
+UTF-8 of at most MAX_PIN_BYTES; a bad value (or a key of another type) is counted in
+`fleetroute_redis_rejected_values_total{data="sticky_pin"}` and the session is pinned afresh, as if it had
+no pin. A pin naming an endpoint that is not in the pool is "gone", like any stale pin.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from router.metrics import RouterMetrics
 from router.model import EndpointView, RequestInfo
 from router.policies.base import LoadView
 from router.policies.consistent_hash import HashKey
+from router.redis_client import RedisClient
+from router.redis_input import Rejected, RejectionLog, text
 
 log = logging.getLogger("fleetroute.sticky")
 
@@ -52,6 +59,17 @@ def session_digest(session: str) -> str:
     """What a session is pinned under: 32 hex digits, identical on every replica for the same session."""
     data = session[:MAX_SESSION_CHARS].encode("utf-8", "surrogateescape")
     return hashlib.blake2b(data, digest_size=16, person=_PERSON).hexdigest()
+
+
+MAX_PIN_BYTES = 253  # the longest endpoint id: a Kubernetes object name (DNS subdomain)
+
+
+def pinned_endpoint(raw: bytes) -> str | None:
+    """The endpoint id a pin read from Redis names (None: no pin); raises Rejected for a value no router
+    wrote. `raw` comes from GETRANGE 0..MAX_PIN_BYTES, so a longer value shows as one byte too many."""
+    if not raw:
+        return None  # GETRANGE answers "" for a missing key
+    return text(raw, max_bytes=MAX_PIN_BYTES, what="pinned endpoint id")
 
 
 @dataclass(frozen=True)
@@ -86,7 +104,7 @@ class StickyTable:
         policy: str,
         settings: StickinessSettings,
         metrics: RouterMetrics,
-        redis: aioredis.Redis | None = None,
+        redis: RedisClient | None = None,
         retry_after: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -100,6 +118,8 @@ class StickyTable:
         self._local: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
         self._redis_down_until = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._rejected = RejectionLog(what="session pin", logger=log,
+                                      count=lambda reason: metrics.redis_rejected.labels("sticky_pin", reason).inc())
 
     def _redis_key(self, session: str) -> str:
         return f"{KEY_PREFIX}{self.policy}:{session}"
@@ -125,7 +145,17 @@ class StickyTable:
             return None
         try:
             assert self._redis is not None
-            endpoint = await self._redis.get(self._redis_key(session))
+            raw = await self._redis.getrange(self._redis_key(session), 0, MAX_PIN_BYTES)
+            endpoint = pinned_endpoint(raw)
+        except Rejected as exc:
+            self._rejected(exc, policy=self.policy)
+            return None
+        except ResponseError as exc:
+            if str(exc).startswith("WRONGTYPE"):  # garbage under our key, not a Redis outage
+                self._rejected(Rejected("wrong_type", f"the key is not a string ({exc})"), policy=self.policy)
+            else:
+                self._redis_failed(exc)
+            return None
         except (RedisError, OSError) as exc:
             self._redis_failed(exc)
             return None

@@ -10,10 +10,12 @@ Two stores with one interface (`read(ids) -> {id: hash fields}`), both holding `
   collects the records itself, scraping each engine's `/metrics` (and a simulator's `/sim/gpu` with
   `gpuSource: sim`), through the same collector code the agent uses.
 
-`TelemetryFeed.refresh` joins records to known endpoints by id, converts the reporter's wall-clock time to
-the router's monotonic clock, and rebuilds the pickers once. A record with another schema version is
-ignored with one log line and a metric; a missing or stale record leaves the endpoint "unknown" (neutral
-score). If Redis is unreachable, routing goes on with the last records until they go stale (then
+`TelemetryFeed.refresh` joins records to known endpoints by id, admits each through `admit_record` (the
+trust boundary: sizes, schema, ranges, timestamps; router/redis_input.py), converts the reporter's
+wall-clock time to the router's monotonic clock, and rebuilds the pickers once. A refused record is counted
+by reason and logged (a schema version once per endpoint, the rest at most once a minute per reason) and
+leaves the endpoint as if it had not reported; a missing or stale record leaves the endpoint "unknown"
+(neutral score). If Redis is unreachable, routing goes on with the last records until they go stale (then
 least-connections-like behaviour through the in-flight term), with a metric and one log line, and recovers
 by itself when Redis answers again. No request ever waits on Redis.
 """
@@ -28,34 +30,50 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import aiohttp
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError, ResponseError
 
 from router.background import contained
 from router.balancer import Balancer
 from router.metrics import RouterMetrics
 from router.model import Endpoint, Telemetry
+from router.redis_client import RedisClient
+from router.redis_input import MAX_CLOCK_SKEW, Rejected, RejectionLog, text
 from router.settings import TelemetrySettings
 from worker.collect import EngineCollector, SimGpuSampler
-from worker.protocol import UPDATES_CHANNEL, SchemaMismatch, TelemetryRecord, decode, encode, telemetry_key
+from worker.protocol import (
+    FIELD_NAMES,
+    UPDATES_CHANNEL,
+    SchemaMismatch,
+    TelemetryRecord,
+    decode,
+    encode,
+    out_of_range,
+    telemetry_key,
+)
 
 log = logging.getLogger("fleetroute.telemetry")
 
+MAX_VALUE_BYTES = 256  # per field; numbers need ~25, an endpoint id at most 253 (a DNS name)
+MAX_FIELDS = 2 * len(FIELD_NAMES)  # room for fields a newer agent adds within the schema version
+# A record as a store returns it: field -> raw value, or the error Redis answered for the key (WRONGTYPE).
+RawRecord = Mapping[bytes, bytes] | ResponseError
+
 
 class TelemetryStore(Protocol):
-    async def read(self, endpoint_ids: list[str]) -> dict[str, Mapping[str, str]]: ...
+    async def read(self, endpoint_ids: list[str]) -> dict[str, RawRecord]: ...
 
 
 class MemoryStore:
     """The embedded store: the newest record per endpoint, in this process."""
 
     def __init__(self) -> None:
-        self._records: dict[str, dict[str, str]] = {}
+        self._records: dict[str, dict[bytes, bytes]] = {}
 
     def put(self, record: TelemetryRecord) -> None:
-        self._records[record.endpoint_id] = encode(record)
+        self._records[record.endpoint_id] = {k.encode(): v.encode() for k, v in encode(record).items()}
 
-    async def read(self, endpoint_ids: list[str]) -> dict[str, Mapping[str, str]]:
+    async def read(self, endpoint_ids: list[str]) -> dict[str, RawRecord]:
         return {i: self._records[i] for i in endpoint_ids if i in self._records}
 
     def forget_endpoints(self, gone: frozenset[str]) -> None:
@@ -64,39 +82,100 @@ class MemoryStore:
 
 
 class RedisStore:
-    def __init__(self, url: str, *, timeout: float) -> None:
-        # Short timeouts and no client-side retries: a refresh that cannot reach Redis fails fast and the
-        # router keeps routing on what it has.
-        self.client = aioredis.from_url(
-            url, decode_responses=True, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False
-        )
+    """Reads each endpoint's hash (HGETALL, pipelined; on a Redis Cluster the pipeline is split by node).
+    The client comes from router.redis_client.connect: binary, so `admit_record` sees the bytes and bounds
+    them before anything is decoded. (HMGET of the schema's fields would bound the field count on the wire
+    too, but packing its ~30 arguments per endpoint made every refresh markedly dearer, and one value can be
+    512 MB either way; `admit_record` refuses a record with more than MAX_FIELDS fields.)"""
 
-    async def read(self, endpoint_ids: list[str]) -> dict[str, Mapping[str, str]]:
+    def __init__(self, client: RedisClient) -> None:
+        self.client = client
+
+    async def read(self, endpoint_ids: list[str]) -> dict[str, RawRecord]:
         async with self.client.pipeline(transaction=False) as pipe:
             for endpoint_id in endpoint_ids:
                 pipe.hgetall(telemetry_key(endpoint_id))
-            results = await pipe.execute()
-        return {i: r for i, r in zip(endpoint_ids, results, strict=True) if r}
+            # A key of another type answers WRONGTYPE for that endpoint alone; a broken connection still raises.
+            results = await pipe.execute(raise_on_error=False)
+        out: dict[str, RawRecord] = {}
+        for endpoint_id, values in zip(endpoint_ids, results, strict=True):
+            if isinstance(values, ResponseError):
+                out[endpoint_id] = values
+            elif isinstance(values, BaseException):
+                raise values
+            elif values:
+                out[endpoint_id] = values
+        return out
 
-    async def listen(self, wake: asyncio.Event, retry_after: float) -> None:
-        """Set `wake` whenever an agent announces a new record; reconnect after failures."""
+    async def listen(self, wake: asyncio.Event, retry_after: float, metrics: RouterMetrics) -> None:
+        """Set `wake` whenever an agent announces a new record (the message itself is never read);
+        reconnect after failures."""
         while True:
-            try:
-                async with self.client.pubsub() as pubsub:
-                    await pubsub.subscribe(UPDATES_CHANNEL)
-                    async for message in pubsub.listen():
-                        if message.get("type") == "message":
-                            wake.set()
-            except (RedisError, OSError, UnicodeDecodeError):
-                pass  # the refresh loop reports Redis outages; here we only retry
+            with contained("telemetry_pubsub", metrics):
+                try:
+                    if isinstance(self.client, RedisCluster):
+                        await self.client.initialize()  # its pub/sub picks a node from the slot map
+                    async with self.client.pubsub() as pubsub:
+                        await pubsub.subscribe(UPDATES_CHANNEL)
+                        async for message in pubsub.listen():
+                            if message.get("type") == "message":
+                                wake.set()
+                except (RedisError, OSError):
+                    pass  # the refresh loop reports Redis outages; here we only retry
             await asyncio.sleep(retry_after)
 
     async def close(self) -> None:
         await self.client.aclose()
 
 
+def admit_record(endpoint_id: str, raw: RawRecord, *, wall_now: float) -> TelemetryRecord:
+    """The one way a telemetry record enters the router: at most MAX_FIELDS fields, each name and value at
+    most MAX_VALUE_BYTES (checked before decoding) and printable UTF-8, the schema version this router
+    reads, the endpoint the key names, every number finite and within the schema's ranges
+    (worker.protocol.LIMITS), and `reported_at` no further ahead of this router's clock than MAX_CLOCK_SKEW
+    (a future-dated record would never go stale). Raises Rejected."""
+    if isinstance(raw, ResponseError):
+        raise Rejected("wrong_type", f"the key is not a hash ({raw})")
+    fields = _texts(raw)
+    try:
+        record = decode(fields)
+    except SchemaMismatch as exc:
+        raise Rejected("schema", str(exc)) from None
+    except (KeyError, ValueError, TypeError) as exc:
+        raise Rejected("malformed", repr(exc)) from None
+    if record.endpoint_id != endpoint_id:
+        raise Rejected("wrong_endpoint", f"the record names endpoint {record.endpoint_id[:64]!r}")
+    problem = out_of_range(record)
+    if problem is not None:
+        raise Rejected("out_of_range", problem)
+    if record.reported_at > wall_now + MAX_CLOCK_SKEW:
+        raise Rejected("future", f"reported_at is {record.reported_at - wall_now:.1f}s ahead of this router's clock")
+    return record
+
+
+def _texts(raw: Mapping[bytes, bytes]) -> dict[str, str]:
+    """Every field name and value as printable UTF-8 of at most MAX_VALUE_BYTES, sizes checked before
+    anything is decoded (router.redis_input.text, with a fast path for the printable ASCII agents write:
+    this runs for every field of every endpoint every refresh)."""
+    if len(raw) > MAX_FIELDS:
+        raise Rejected("oversize", f"the record has {len(raw)} fields, at most {MAX_FIELDS} expected")
+    longest = max(max(map(len, raw.values()), default=0), max(map(len, raw), default=0))
+    if longest <= MAX_VALUE_BYTES:
+        try:
+            fields = {name.decode("ascii"): value.decode("ascii") for name, value in raw.items()}
+        except UnicodeDecodeError:
+            pass
+        else:
+            if all(map(str.isprintable, fields.values())) and all(map(str.isprintable, fields)):
+                return fields
+    # Not all printable ASCII: the general check says what is wrong, or admits printable UTF-8.
+    return {text(name, max_bytes=MAX_VALUE_BYTES, what="a field name"): text(value, max_bytes=MAX_VALUE_BYTES,
+                                                                              what=name.decode("utf-8", "replace"))
+            for name, value in raw.items()}
+
+
 def to_telemetry(record: TelemetryRecord, *, wall_now: float, mono_now: float) -> Telemetry:
-    age = max(0.0, wall_now - record.reported_at)  # a reporter clock slightly ahead is treated as fresh
+    age = max(0.0, wall_now - record.reported_at)  # a clock slightly ahead (< MAX_CLOCK_SKEW) reads as fresh
     gpu, engine = record.gpu, record.engine
     return Telemetry(
         reported_at=mono_now - age,
@@ -134,6 +213,8 @@ class TelemetryFeed:
         self._mono = mono_clock
         self._store_down = False
         self._schema_warned: set[str] = set()
+        self._rejected = RejectionLog(what="telemetry record", logger=log,
+                                      count=lambda reason: metrics.telemetry_rejected.labels(reason).inc())
 
     def forget_endpoints(self, gone: frozenset[str]) -> None:
         self._schema_warned -= gone
@@ -142,7 +223,7 @@ class TelemetryFeed:
         ids = [ep.id for ep in self._balancer.endpoints()]
         try:
             raw = await self._store.read(ids) if ids else {}
-        except (RedisError, OSError, UnicodeDecodeError) as exc:  # undecodable bytes: a broken store, too
+        except (RedisError, OSError) as exc:
             self._metrics.store_errors.inc()
             self._metrics.store_up.set(0)
             if not self._store_down:
@@ -160,20 +241,16 @@ class TelemetryFeed:
             if not self._balancer.is_member(endpoint_id):
                 continue  # it left while the store was read
             try:
-                record = decode(fields)
-            except SchemaMismatch as exc:
+                record = admit_record(endpoint_id, fields, wall_now=wall)
+            except Rejected as exc:
+                if exc.reason != "schema":
+                    self._rejected(exc, endpoint=endpoint_id)
+                    continue
                 self._metrics.telemetry_rejected.labels("schema").inc()
-                if endpoint_id not in self._schema_warned:
+                if endpoint_id not in self._schema_warned:  # a rollout to do, not an attack: say it per endpoint
                     self._schema_warned.add(endpoint_id)
                     log.error("telemetry record ignored: unknown schema version (upgrade the router or the agent)",
-                              extra={"endpoint": endpoint_id, "error": str(exc)})
-                continue
-            except (KeyError, ValueError, TypeError) as exc:
-                self._metrics.telemetry_rejected.labels("malformed").inc()
-                log.warning("telemetry record ignored: malformed", extra={"endpoint": endpoint_id, "error": repr(exc)})
-                continue
-            if record.endpoint_id != endpoint_id:
-                self._metrics.telemetry_rejected.labels("wrong_endpoint").inc()
+                              extra={"endpoint": endpoint_id, "error": exc.detail})
                 continue
             self._balancer.report_telemetry(endpoint_id, to_telemetry(record, wall_now=wall, mono_now=mono))
         self._balancer.rebuild()

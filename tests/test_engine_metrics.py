@@ -170,13 +170,14 @@ async def test_the_kv_capacity_and_prefix_counters_reach_the_routers_telemetry(r
 
     import redis.asyncio as aioredis
 
-    from router.telemetry import RedisStore, to_telemetry
+    from router.redis_client import RedisSettings, connect
+    from router.telemetry import RedisStore, admit_record, to_telemetry
     from worker.protocol import EngineSample, GpuSample, TelemetryRecord, decode, encode
     from worker.publisher import RedisPublisher
 
     endpoint = f"gpu-{uuid.uuid4().hex[:8]}"
     client = aioredis.from_url(redis_url, decode_responses=True)
-    store = RedisStore(redis_url, timeout=1.0)
+    store = RedisStore(connect(RedisSettings(url=redis_url), timeout=1.0))
     try:
         record = TelemetryRecord(endpoint_id=endpoint, reported_at=time.time(), seq=1, interval=1.0, gpu_source="none",
                                  gpu=GpuSample(), prefix_cache_hit_rate=0.25,
@@ -184,8 +185,8 @@ async def test_the_kv_capacity_and_prefix_counters_reach_the_routers_telemetry(r
                                                      kv_capacity_tokens=1048576))
         await RedisPublisher(client, ttl=30).publish(record)
         raw = (await store.read([endpoint]))[endpoint]
-        assert raw["kv_capacity_tokens"] == "1048576"
-        tel = to_telemetry(decode(raw), wall_now=time.time(), mono_now=100.0)
+        assert raw[b"kv_capacity_tokens"] == b"1048576"
+        tel = to_telemetry(admit_record(endpoint, raw, wall_now=time.time()), wall_now=time.time(), mono_now=100.0)
         assert (tel.kv_capacity_tokens, tel.prefix_cache_hit_rate, tel.prefix_cache_queries,
                 tel.prefix_cache_hits) == (1048576, 0.25, 400.0, 100.0)
         old_agent = {k: v for k, v in encode(record).items() if k != "kv_capacity_tokens"}

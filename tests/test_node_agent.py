@@ -29,6 +29,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from router.model import Telemetry
+from router.redis_client import RedisSettings, connect
 from router.telemetry import RedisStore, TelemetryFeed
 from tests import fake_dcgm
 from tests.fake_dcgm import dcgm_exporter  # noqa: F401 - fixture
@@ -65,7 +66,9 @@ class Fleet:
     def __init__(self, redis_url: str, session: aiohttp.ClientSession, client: aioredis.Redis) -> None:  # noqa: F811
         self.redis_url = redis_url
         self.session = session
-        self.client = client
+        self.client = client  # the test's own reads and writes, as text
+        # What the agents and the router use: the project's client factory (binary replies), as in production.
+        self.redis = connect(RedisSettings(url=redis_url), timeout=1.0)
         self.namespace = unique("inference")
         self.pods = [unique("llama-a"), unique("llama-b")]
         self.sidecars: dict[str, Agent] = {}
@@ -77,12 +80,12 @@ class Fleet:
         for i, pod in enumerate(self.pods):
             engine = await make_engine(pod, load=EngineLoad(waiting=i + 1, running=4, kv_usage=0.25 * (i + 1)))
             engines.append(engine)
-            settings = AgentSettings(engine_url=engine.url, redis_url=self.redis_url, endpoint_id=pod,
+            settings = AgentSettings(engine_url=engine.url, redis=RedisSettings(url=self.redis_url), endpoint_id=pod,
                                      gpu_source="node", interval=1.0)
-            self.sidecars[pod] = Agent(settings, self.session, self.client)
+            self.sidecars[pod] = Agent(settings, self.session, self.redis)
         # Endpoint ids are pod names, as the router's Kubernetes discovery names them.
         self.router = await make_router(engines, telemetry={"enabled": False}, redis={"url": self.redis_url})
-        self.store = RedisStore(self.redis_url, timeout=1.0)
+        self.store = RedisStore(self.redis)
         self.feed = TelemetryFeed(store=self.store, balancer=self.router.ctx.balancer, metrics=self.router.ctx.metrics)
 
     async def sidecar_round(self) -> None:
@@ -148,9 +151,9 @@ def test_an_endpoints_gpus_aggregate_into_one_reading(samples, expected) -> None
 
 def dcgm_agent(fleet: Fleet, exporter, session, **settings) -> NodeAgent:
     pods = PodFilter(frozenset({fleet.namespace}), frozenset({"vllm"}))
-    node = NodeAgentSettings(source="dcgm", redis_url=fleet.redis_url, node=unique("gpu-node"), pods=pods,
+    node = NodeAgentSettings(source="dcgm", redis=RedisSettings(url=fleet.redis_url), node=unique("gpu-node"), pods=pods,
                              dcgm_url=exporter.url, interval=1.0, metrics_port=0, **settings)
-    return NodeAgent(node, DcgmNodeSource(session, exporter.url, pods, timeout=1.0), fleet.client)
+    return NodeAgent(node, DcgmNodeSource(session, exporter.url, pods, timeout=1.0), fleet.redis)
 
 
 async def test_dcgm_source_gives_each_endpoint_its_own_gpu_numbers(fleet, dcgm_exporter, caplog) -> None:  # noqa: F811
@@ -403,7 +406,7 @@ async def test_nvml_source_without_a_driver_says_so_and_keeps_trying(fleet, pod_
     ("args", "message"),
     [
         pytest.param(["--source", "nvml", "--interval", "0s"], "--interval must be a positive duration", id="interval"),
-        pytest.param(["--source", "nvml", "--redis", "http://x"], "--redis must be a redis://", id="redis-url"),
+        pytest.param(["--source", "nvml", "--redis", "http://x"], "--redis: must be a redis://", id="redis-url"),
         pytest.param(["--source", "dcgm", "--dcgm-url", "localhost:9400"], "--dcgm-url must be an http://", id="dcgm-url"),
         pytest.param(["--source", "nvml", "--metrics-port", "70000"], "--metrics-port must be 0..65535", id="port"),
     ],

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from router.redis_client import RedisSettings, connect
 from router.telemetry import RedisStore, TelemetryFeed
 from tests.conftest import MODEL
 from tests.fake_engine import EngineLoad
@@ -45,7 +46,7 @@ async def publish(url: str, endpoint_id: str, *, gpu_util: float | None = None, 
 async def test_agent_publishes_engine_telemetry_that_round_trips(make_engine, redis_url) -> None:  # noqa: F811
     engine = await make_engine("e", load=EngineLoad(waiting=4, running=9, kv_usage=0.5))
     endpoint_id = unique("gpu")
-    settings = AgentSettings(engine_url=engine.url, redis_url=redis_url, endpoint_id=endpoint_id, gpu_source="none",
+    settings = AgentSettings(engine_url=engine.url, redis=RedisSettings(url=redis_url), endpoint_id=endpoint_id, gpu_source="none",
                              interval=2.0)
     client = aioredis.from_url(redis_url, decode_responses=True)
     async with aiohttp.ClientSession() as session:
@@ -85,7 +86,7 @@ async def test_missing_or_stale_records_are_unknown(make_engine, make_router, re
 
     engine = await make_engine(unique("gpu"))
     router = await make_router([engine], telemetry={"enabled": False, "staleAfter": "5s"}, redis={"url": redis_url})
-    store = RedisStore(redis_url, timeout=1.0)
+    store = RedisStore(connect(RedisSettings(url=redis_url), timeout=1.0))
     feed = TelemetryFeed(store=store, balancer=router.ctx.balancer, metrics=router.ctx.metrics)
     try:
         await feed.refresh()
@@ -107,7 +108,7 @@ async def test_another_schema_version_is_ignored_with_a_clear_log(make_engine, m
     await client.hset(telemetry_key(engine.name), mapping={"schema": "2", "endpoint_id": engine.name,
                                                            "reported_at": "1", "gpu_util": "0.1"})
     await client.aclose()
-    store = RedisStore(redis_url, timeout=1.0)
+    store = RedisStore(connect(RedisSettings(url=redis_url), timeout=1.0))
     feed = TelemetryFeed(store=store, balancer=router.ctx.balancer, metrics=router.ctx.metrics)
     with caplog.at_level(logging.ERROR, logger="fleetroute.telemetry"):
         await feed.refresh()

@@ -11,7 +11,7 @@ import pytest
 from router.retry_budget import RetryBudget
 from router.settings import ConfigError, parse_settings
 from tests.conftest import MODEL
-from worker.protocol import decode
+from worker.protocol import EngineSample, GpuSample, TelemetryRecord, decode, encode
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -89,11 +89,17 @@ async def test_unknown_model_names_never_become_metric_labels(make_engine, make_
     assert 'fleetroute_rejected_requests_total{reason="model_not_found"} 20.0' in text
 
 
-def test_non_finite_telemetry_values_are_unknown() -> None:
-    record = decode({"schema": "1", "endpoint_id": "e", "reported_at": "1", "gpu_util": "nan",
-                     "kv_cache_usage": "inf", "num_waiting": "3"})
-    assert record.gpu.util is None and record.engine.kv_cache_usage is None
-    assert record.engine.num_waiting == 3
+@pytest.mark.parametrize("field", ["gpu_util", "kv_cache_usage", "reported_at", "interval"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_telemetry_values_are_refused_and_never_written(field: str, value: str) -> None:
+    # No agent writes them (below), so a record holding one is not trusted at all: the router counts it as
+    # malformed (router.telemetry.admit_record; tests/test_redis_hostile.py).
+    raw = {"schema": "1", "endpoint_id": "e", "reported_at": "1", "num_waiting": "3", field: value}
+    with pytest.raises(ValueError, match=f"{field} is not a finite number"):
+        decode(raw)
+    record = TelemetryRecord(endpoint_id="e", reported_at=1.0, seq=1, interval=1.0, gpu_source="none",
+                             gpu=GpuSample(util=float(value)), engine=EngineSample(kv_cache_usage=float(value)))
+    assert {"gpu_util", "kv_cache_usage"}.isdisjoint(encode(record))  # an unreadable gauge is left out
 
 
 async def test_no_retry_starts_after_the_total_deadline_and_no_innocent_endpoint_is_blamed(make_engine, make_router,

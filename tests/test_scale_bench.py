@@ -21,6 +21,7 @@ from loadtest.scale.report import render_markdown, render_micro, write_plots
 from router.model import Endpoint, EndpointView, RequestInfo
 from router.policies.base import EventSink, LoadView
 from router.policies.registry import BUILTIN, PolicyRegistry
+from router.redis_client import RedisSettings, connect
 from router.telemetry import RedisStore, TelemetryFeed
 from tests.redis_server import own_redis  # noqa: F401 - fixture
 from worker.protocol import UPDATES_CHANNEL, decode, telemetry_key
@@ -125,7 +126,7 @@ async def test_simulated_agents_write_records_the_router_reads_with_a_ttl_and_a_
     # The router's own reader applies them: every endpoint gets fresh telemetry.
     fleet = build_fleet(5, "adaptive", sessions=2)
     fleet.balancer.set_endpoints([Endpoint(i, f"http://127.0.0.1:9/{i}", (MODEL,)) for i in ids])
-    store = RedisStore(own_redis.url, timeout=2)
+    store = RedisStore(connect(RedisSettings(url=own_redis.url), timeout=2))
     try:
         feed = TelemetryFeed(store=store, balancer=fleet.balancer, metrics=fleet.metrics,
                              mono_clock=fleet.clock)

@@ -9,6 +9,10 @@ the engine's GPU (a host or VM with the engine's GPU at `--gpu-index`). `sim`: a
 It never crash-loops on its environment: no NVIDIA driver gives one clear log line and engine-only
 telemetry; an unreachable engine publishes `engine_up=0` (routers then see the endpoint's engine signals as
 unknown); an unreachable Redis is logged once and retried every interval until it answers.
+
+Redis is reached as the router reaches it (router/redis_client.py): a standalone server or a cluster node by
+URL, or a Sentinel-watched master, with the password from an environment variable or a file. The flags
+mirror the router's `redis:` block and are checked by the same parser.
 """
 
 from __future__ import annotations
@@ -21,14 +25,17 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from worker.collect import EngineCollector, GpuSampler, SimGpuSampler
 from worker.node_gpu import NodeGpuReader, merge
 from worker.publisher import RedisPublisher
+
+if TYPE_CHECKING:
+    from router.redis_client import RedisClient, RedisSettings
 
 log = logging.getLogger("fleetroute.agent")
 
@@ -38,7 +45,7 @@ GPU_SOURCES = ("node", "nvml", "sim", "none")
 @dataclass(frozen=True)
 class AgentSettings:
     engine_url: str
-    redis_url: str
+    redis: RedisSettings
     endpoint_id: str
     gpu_source: str = "nvml"
     gpu_index: int = 0
@@ -70,7 +77,7 @@ def open_gpu(settings: AgentSettings, session: aiohttp.ClientSession) -> tuple[G
 
 
 class Agent:
-    def __init__(self, settings: AgentSettings, session: aiohttp.ClientSession, client: aioredis.Redis) -> None:
+    def __init__(self, settings: AgentSettings, session: aiohttp.ClientSession, client: RedisClient) -> None:
         self.settings = settings
         self._gpu, gpu_source = open_gpu(settings, session)
         self._collector = EngineCollector(
@@ -121,12 +128,13 @@ class Agent:
 
 
 async def run_agent(settings: AgentSettings) -> None:
-    client = aioredis.from_url(settings.redis_url, decode_responses=True, socket_timeout=settings.timeout,
-                               socket_connect_timeout=settings.timeout, retry_on_timeout=False)
+    from router.redis_client import connect
+
+    client = connect(settings.redis, timeout=settings.timeout)
     async with aiohttp.ClientSession() as session:
         agent = Agent(settings, session, client)
         log.info("agent started", extra={"endpoint": settings.endpoint_id, "engine": settings.engine_url,
-                                         "interval_s": settings.interval})
+                                         "interval_s": settings.interval, "redis": settings.redis.describe()})
         task = asyncio.create_task(agent.run())
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -142,13 +150,34 @@ async def run_agent(settings: AgentSettings) -> None:
             await client.aclose()
 
 
+def add_redis_arguments(p: argparse.ArgumentParser) -> None:
+    """The --redis* flags of the agents (this one and the node agent): the router's `redis:` block as flags."""
+    r = p.add_argument_group("Redis", "where to write: a URL, or sentinels (the same choices as the router's "
+                             "redis: block, docs/configuration.md)")
+    r.add_argument("--redis", metavar="URL", help="redis://, rediss:// or unix:// URL of a server, or of any node "
+                   "with --redis-cluster (default: $REDIS_URL unless --redis-sentinel is given)")
+    r.add_argument("--redis-cluster", action="store_true", help="--redis names a node of a Redis Cluster")
+    r.add_argument("--redis-username", metavar="NAME", help="ACL user name (Redis 6+)")
+    r.add_argument("--redis-password-env", metavar="VAR", help="read the password from this environment variable")
+    r.add_argument("--redis-password-file", metavar="PATH", help="read the password from this file (a mounted "
+                   "Secret)")
+    r.add_argument("--redis-sentinel", metavar="HOST:PORT,...", help="Redis Sentinel addresses, comma-separated")
+    r.add_argument("--redis-sentinel-master", metavar="NAME", help="the master name the sentinels watch")
+    r.add_argument("--redis-sentinel-db", type=int, metavar="N", help="database number on the master (default 0)")
+    r.add_argument("--redis-sentinel-tls", action="store_true", help="reach the sentinels and the master over TLS")
+    r.add_argument("--redis-sentinel-password-env", metavar="VAR", help="the sentinels' own password, from this "
+                   "environment variable")
+    r.add_argument("--redis-sentinel-password-file", metavar="PATH", help="the sentinels' own password, from this "
+                   "file")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("agent", help="run the telemetry sidecar beside one engine (vLLM metrics + GPU -> Redis)",
                        description="Sample the engine's /metrics and its GPU every interval and publish one "
                        "telemetry record to Redis for the routers (schema: worker/protocol.py, docs/telemetry.md). "
                        "On Kubernetes the GPU numbers come from the node agent (--gpu-source node).")
     p.add_argument("--engine-url", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="Redis URL (default: $REDIS_URL)")
+    add_redis_arguments(p)
     p.add_argument("--endpoint-id", required=True, help="the endpoint id routers know this engine by")
     p.add_argument("--gpu-source", choices=GPU_SOURCES, default="nvml",
                    help="node (on Kubernetes: the GPU record `fleetroute node-agent` publishes for this endpoint), "
@@ -162,7 +191,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def main(args: argparse.Namespace) -> int:
     from router.cli import run_event_loop
     from router.logs import configure_logging
-    from router.settings import parse_duration
+    from router.settings import ConfigError, parse_duration
 
     def fail(message: str) -> int:
         print(f"fleetroute agent: error: {message}", file=sys.stderr)
@@ -171,15 +200,57 @@ def main(args: argparse.Namespace) -> int:
     interval = parse_duration(args.interval)
     if interval is None or interval <= 0:
         return fail(f"--interval must be a positive duration like 1s or 500ms, got {args.interval!r}")
-    if not args.redis:
-        return fail("--redis is required (or set REDIS_URL)")
-    if not args.redis.startswith(("redis://", "rediss://", "unix://")):
-        return fail(f"--redis must be a redis://, rediss:// or unix:// URL, got {args.redis!r}")
     if not args.engine_url.startswith(("http://", "https://")):
         return fail(f"--engine-url must be an http:// or https:// URL, got {args.engine_url!r}")
+    try:
+        redis = redis_settings(args)
+    except ConfigError as exc:
+        return fail(str(exc))
     configure_logging("info")
-    settings = AgentSettings(engine_url=args.engine_url.rstrip("/"), redis_url=args.redis,
+    settings = AgentSettings(engine_url=args.engine_url.rstrip("/"), redis=redis,
                              endpoint_id=args.endpoint_id, gpu_source=args.gpu_source, gpu_index=args.gpu_index,
                              interval=interval)
     run_event_loop(run_agent(settings))
     return 0
+
+
+# The router's `redis:` fields each flag sets, so an error names the flag.
+_REDIS_FLAGS = {
+    "url": "--redis", "cluster": "--redis-cluster", "username": "--redis-username",
+    "passwordEnv": "--redis-password-env", "passwordFile": "--redis-password-file",
+    "sentinel.addresses": "--redis-sentinel", "sentinel.masterName": "--redis-sentinel-master",
+    "sentinel.db": "--redis-sentinel-db", "sentinel.tls": "--redis-sentinel-tls",
+    "sentinel.passwordEnv": "--redis-sentinel-password-env", "sentinel.passwordFile": "--redis-sentinel-password-file",
+}
+
+
+def redis_settings(args: argparse.Namespace) -> RedisSettings:
+    """The --redis* flags through the router's own `redis:` parser; raises ConfigError naming the flag."""
+    from router.settings import ConfigError, parse_redis
+
+    block: dict[str, object] = {}
+    sentinel: dict[str, object] = {}
+    if args.redis_sentinel or args.redis_sentinel_master:
+        sentinel["addresses"] = [a.strip() for a in (args.redis_sentinel or "").split(",") if a.strip()]
+        for key, value in (("masterName", args.redis_sentinel_master), ("db", args.redis_sentinel_db),
+                           ("passwordEnv", args.redis_sentinel_password_env),
+                           ("passwordFile", args.redis_sentinel_password_file)):
+            if value is not None:
+                sentinel[key] = value
+        sentinel["tls"] = args.redis_sentinel_tls
+        block["sentinel"] = sentinel
+    if args.redis is not None or not sentinel:
+        block["url"] = args.redis or os.environ.get("REDIS_URL") or None
+    for key, value in (("cluster", args.redis_cluster or None), ("username", args.redis_username),
+                       ("passwordEnv", args.redis_password_env), ("passwordFile", args.redis_password_file)):
+        if value is not None:
+            block[key] = value
+    try:
+        settings = parse_redis(block)
+    except ConfigError as exc:
+        field = exc.path.removeprefix("redis.").split("[")[0]
+        flag = _REDIS_FLAGS.get(field, "--redis")
+        raise ConfigError(flag, str(exc).removeprefix(f"{exc.path}: ")) from None
+    if not settings.enabled:
+        raise ConfigError("--redis", "is required (or set REDIS_URL, or give --redis-sentinel)")
+    return settings

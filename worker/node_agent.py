@@ -32,13 +32,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
-import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
+from worker.agent import add_redis_arguments, redis_settings
 from worker.node_metrics import NodeAgentMetrics
 from worker.node_sources import (
     NODE_SOURCES,
@@ -53,6 +54,9 @@ from worker.node_sources import (
 from worker.protocol import GpuRecord
 from worker.publisher import GpuRecordPublisher
 
+if TYPE_CHECKING:
+    from router.redis_client import RedisClient, RedisSettings
+
 log = logging.getLogger("fleetroute.node_agent")
 
 DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"  # the kubelet's PodResources socket
@@ -63,7 +67,7 @@ DEFAULT_METRICS_PORT = 9402
 @dataclass(frozen=True)
 class NodeAgentSettings:
     source: str  # nvml | dcgm
-    redis_url: str
+    redis: RedisSettings
     node: str
     pods: PodFilter = PodFilter()
     pod_resources_socket: str = DEFAULT_SOCKET
@@ -88,7 +92,7 @@ def open_source(settings: NodeAgentSettings, session: aiohttp.ClientSession) -> 
 
 
 class NodeAgent:
-    def __init__(self, settings: NodeAgentSettings, source: NodeSource, client: aioredis.Redis,
+    def __init__(self, settings: NodeAgentSettings, source: NodeSource, client: RedisClient,
                  metrics: NodeAgentMetrics | None = None, clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
         self.source = source
@@ -204,8 +208,9 @@ def build_http_app(agent: NodeAgent) -> web.Application:
 
 
 async def run_node_agent(settings: NodeAgentSettings) -> None:
-    client = aioredis.from_url(settings.redis_url, decode_responses=True, socket_timeout=settings.timeout,
-                               socket_connect_timeout=settings.timeout, retry_on_timeout=False)
+    from router.redis_client import connect
+
+    client = connect(settings.redis, timeout=settings.timeout)
     async with aiohttp.ClientSession() as session:
         agent = NodeAgent(settings, open_source(settings, session), client)
         runner: web.AppRunner | None = None
@@ -248,7 +253,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "the kubelet's PodResources socket (root can read it). Source dcgm: the node's dcgm-exporter, whose series "
         "already name each GPU's pod. See docs/telemetry.md#gpu-telemetry-on-kubernetes.")
     p.add_argument("--source", required=True, choices=NODE_SOURCES, help="nvml (NVML + PodResources) or dcgm")
-    p.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="Redis URL (default: $REDIS_URL)")
+    add_redis_arguments(p)
     p.add_argument("--node-name", default=os.environ.get("NODE_NAME") or socket.gethostname(),
                    help="this node's name, for logs and records (default: $NODE_NAME, else the host name)")
     p.add_argument("--namespace", action="append", default=[], metavar="NS",
@@ -270,7 +275,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def main(args: argparse.Namespace) -> int:
     from router.cli import run_event_loop
     from router.logs import configure_logging
-    from router.settings import parse_duration
+    from router.settings import ConfigError, parse_duration
 
     def fail(message: str) -> int:
         print(f"fleetroute node-agent: error: {message}", file=sys.stderr)
@@ -279,17 +284,17 @@ def main(args: argparse.Namespace) -> int:
     interval = parse_duration(args.interval)
     if interval is None or interval <= 0:
         return fail(f"--interval must be a positive duration like 1s or 500ms, got {args.interval!r}")
-    if not args.redis:
-        return fail("--redis is required (or set REDIS_URL)")
-    if not args.redis.startswith(("redis://", "rediss://", "unix://")):
-        return fail(f"--redis must be a redis://, rediss:// or unix:// URL, got {args.redis!r}")
+    try:
+        redis = redis_settings(args)
+    except ConfigError as exc:
+        return fail(str(exc))
     if args.source == "dcgm" and not args.dcgm_url.startswith(("http://", "https://")):
         return fail(f"--dcgm-url must be an http:// or https:// URL, got {args.dcgm_url!r}")
     if not 0 <= args.metrics_port <= 65535:
         return fail(f"--metrics-port must be 0..65535, got {args.metrics_port}")
     configure_logging("info")
     settings = NodeAgentSettings(
-        source=args.source, redis_url=args.redis, node=args.node_name,
+        source=args.source, redis=redis, node=args.node_name,
         pods=PodFilter(frozenset(args.namespace), frozenset(args.container)),
         pod_resources_socket=args.pod_resources_socket, dcgm_url=args.dcgm_url, interval=interval,
         timeout=min(1.0, interval), metrics_host=args.metrics_host, metrics_port=args.metrics_port)

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from worker.protocol import GpuRecord, SchemaMismatch, TelemetryRecord, decode_gpu_record, gpu_key
@@ -26,12 +27,29 @@ from worker.protocol import GpuRecord, SchemaMismatch, TelemetryRecord, decode_g
 log = logging.getLogger("fleetroute.agent")
 
 STALE_INTERVALS = 3
+# A GPU record holds about twenty short fields; anything far larger was not written by a node agent.
+MAX_FIELDS = 64
+MAX_VALUE_BYTES = 256
+
+
+def _texts(raw: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
+    """The record's fields as text, sizes checked before anything is decoded (Redis is shared: whoever can
+    write it could put anything under the key). Raises ValueError."""
+    if len(raw) > MAX_FIELDS:
+        raise ValueError(f"the record has {len(raw)} fields, at most {MAX_FIELDS} expected")
+    out = {}
+    for name, value in raw.items():
+        if len(name) > MAX_VALUE_BYTES or len(value) > MAX_VALUE_BYTES:
+            raise ValueError(f"a field or value longer than {MAX_VALUE_BYTES} bytes")
+        out[name.decode() if isinstance(name, bytes) else name] = value.decode() if isinstance(value, bytes) else value
+    return out
 
 
 class NodeGpuReader:
     """Reads one endpoint's GPU record; None when there is none that is usable (logged once per cause)."""
 
-    def __init__(self, client: aioredis.Redis, endpoint_id: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, client: aioredis.Redis | RedisCluster, endpoint_id: str,
+                 clock: Callable[[], float] = time.time) -> None:
         self._client = client
         self.endpoint_id = endpoint_id
         self._key = gpu_key(endpoint_id)
@@ -58,10 +76,10 @@ class NodeGpuReader:
             return None
         self._absent_reads = 0
         try:
-            record = decode_gpu_record(raw)
+            record = decode_gpu_record(_texts(raw))
             if record.endpoint_id != self.endpoint_id:
                 raise ValueError(f"the record under this endpoint's key names endpoint {record.endpoint_id!r}")
-        except (SchemaMismatch, KeyError, ValueError) as exc:
+        except (SchemaMismatch, KeyError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
             self._nothing("malformed", "unusable GPU record from the node agent; publishing engine-only telemetry",
                           error=str(exc))
             return None

@@ -55,6 +55,10 @@ which merges them into the telemetry record above (routers never read these keys
     gpu_uuids         the pod's GPUs, comma-separated (GPU or MIG UUIDs)
     gpu_count and the gpu_* fields of the telemetry record, aggregated over the pod's GPUs (see
                       worker/node_sources.py: mean busy fraction, the fullest GPU's memory, any GPU lost...)
+
+Each field has a range no real agent leaves (`LIMITS`; ratios in [0, 1], counts >= 0 and below absurd
+bounds, numbers finite, `mem_used <= mem_total`): `out_of_range` names the first field outside it, and
+routers refuse such a record whole (docs/telemetry.md, "Trust"). `FIELD_NAMES` lists every field.
 """
 
 from __future__ import annotations
@@ -159,8 +163,8 @@ _INT_FIELDS = {"mem_used_bytes", "mem_total_bytes", "throttle_reasons", "xid_err
 
 
 def _put(out: dict[str, str], key: str, value: object) -> None:
-    if value is None:
-        return
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return  # unknown (a NaN gauge, say) is left out, never written as "nan"
     if isinstance(value, bool):
         out[key] = "1" if value else "0"
     else:
@@ -192,8 +196,13 @@ def _float(raw: Mapping[str, str], key: str) -> float | None:
     value = raw.get(key)
     if value is None or value == "":
         return None
-    number = float(value)
-    return number if math.isfinite(number) else None  # NaN or inf would poison every comparison
+    return _finite(float(value), key)
+
+
+def _finite(number: float, key: str) -> float:
+    if not math.isfinite(number):  # NaN or inf would poison every comparison
+        raise ValueError(f"{key} is not a finite number")
+    return number
 
 
 def decode(raw: Mapping[str, str]) -> TelemetryRecord:
@@ -212,9 +221,9 @@ def decode(raw: Mapping[str, str]) -> TelemetryRecord:
             engine_kwargs[name] = _float(raw, key)
     return TelemetryRecord(
         endpoint_id=raw["endpoint_id"],
-        reported_at=float(raw["reported_at"]),
+        reported_at=_finite(float(raw["reported_at"]), "reported_at"),
         seq=int(raw.get("seq", "0")),
-        interval=float(raw.get("interval", "1")),
+        interval=_finite(float(raw.get("interval", "1")), "interval"),
         gpu_source=raw.get("gpu_source", "none"),
         gpu=_decode_gpu(raw),
         engine=EngineSample(**engine_kwargs),  # type: ignore[arg-type]
@@ -287,3 +296,62 @@ def decode_gpu_record(raw: Mapping[str, str]) -> GpuRecord:
         namespace=raw.get("namespace", ""),
         gpu_uuids=tuple(uuids.split(",")) if uuids else (),
     )
+
+
+FIELD_NAMES: tuple[str, ...] = (
+    "schema", "endpoint_id", "reported_at", "seq", "interval", "gpu_source", "prefix_cache_hit_rate",
+    *_GPU_FIELDS.values(), *_ENGINE_FIELDS.values(),
+)
+GPU_SOURCES = ("nvml", "dcgm", "sim", "none")
+GPU_UTIL_KINDS = ("utilization", "gpm_sm_activity", "dcgm_sm_active", "dcgm_gr_engine_active")
+
+_RATIO = (0.0, 1.0)
+_REQUESTS = (0.0, 1e6)  # requests waiting or running on one endpoint
+_TOKENS = (0.0, 2.0**53)  # cumulative token counters (exact as floats up to here)
+_EVENTS = (0, 2**32)  # error and page counts since the agent started
+# (low, high) per field of the record, inclusive; a None value (signal not read) is always fine.
+LIMITS: dict[str, tuple[float, float]] = {
+    "reported_at": (1.0, 1e11),  # Unix seconds, after 1970 and before the year 5000
+    "seq": (0, 2**63 - 1),
+    "interval": (1e-3, 3600.0),
+    "prefix_cache_hit_rate": _RATIO,
+    "gpu.util": _RATIO,
+    "gpu.mem_used_bytes": (0, 2**50),
+    "gpu.mem_total_bytes": (1, 2**50),
+    "gpu.temperature_c": (-60.0, 250.0),
+    "gpu.power_w": (0.0, 1e5),
+    "gpu.throttle_reasons": (0, 2**64 - 1),
+    "gpu.xid_errors": _EVENTS,
+    "gpu.ecc_uncorrected": _EVENTS,
+    "gpu.retired_pages": _EVENTS,
+    "gpu.count": (1, 1024),  # GPUs behind one endpoint (node agent)
+    "gpu.reported_at": (1.0, 1e11),
+    "engine.kv_cache_usage": _RATIO,
+    "engine.num_waiting": _REQUESTS,
+    "engine.num_running": _REQUESTS,
+    "engine.prefix_cache_queries": _TOKENS,
+    "engine.prefix_cache_hits": _TOKENS,
+    "engine.preemptions_total": _TOKENS,
+    "engine.kv_capacity_tokens": (1, 1e10),
+}
+
+
+# (name, part, attribute, low, high), split once: the check runs for every record every refresh.
+_CHECKS = [(name, *name.rpartition(".")[::2], low, high) for name, (low, high) in LIMITS.items()]
+
+
+def out_of_range(record: TelemetryRecord) -> str | None:
+    """The first field of `record` outside the schema's ranges, as "name value" (None: all within)."""
+    parts = {"": record, "gpu": record.gpu, "engine": record.engine}
+    for name, part, attr, low, high in _CHECKS:
+        value = getattr(parts[part], attr)
+        if value is not None and not low <= value <= high:  # NaN compares False: out of range too
+            return f"{name} {value!r} not in [{low:g}, {high:g}]"
+    gpu = record.gpu
+    if gpu.mem_used_bytes is not None and gpu.mem_total_bytes and gpu.mem_used_bytes > gpu.mem_total_bytes:
+        return f"gpu.mem_used_bytes {gpu.mem_used_bytes} > gpu.mem_total_bytes {gpu.mem_total_bytes}"
+    if record.gpu_source not in GPU_SOURCES:
+        return f"gpu_source {record.gpu_source[:32]!r} not one of {', '.join(GPU_SOURCES)}"
+    if gpu.util_kind not in GPU_UTIL_KINDS:
+        return f"gpu_util_kind {gpu.util_kind[:32]!r} not one of {', '.join(GPU_UTIL_KINDS)}"
+    return None

@@ -1,9 +1,11 @@
 """Writing telemetry records to Redis, in the schema of `worker.protocol`.
 
-Each publish replaces the endpoint's hash atomically (MULTI: DEL, HSET, PEXPIRE), so a signal the agent
-can no longer read disappears instead of lingering, and the key expires by itself `ttl` after the last
-write: a dead agent's data vanishes rather than misleading routers. Then a PUBLISH on the updates channel
-tells routers to refresh early.
+Each publish replaces the endpoint's hash atomically (MULTI: DEL, HSET, PEXPIRE on the one key, so it
+works on a Redis Cluster too), so a signal the agent can no longer read disappears instead of lingering,
+and the key expires by itself `ttl` after the last write: a dead agent's data vanishes rather than
+misleading routers. Then a PUBLISH on the updates channel tells routers to refresh early; it is a command
+of its own because redis-py does not put PUBLISH in a cluster transaction (on a cluster, a PUBLISH reaches
+subscribers on every node).
 
 The node agent writes its GPU records the same way, one MULTI per endpoint (an endpoint's key is replaced
 atomically; keys of different endpoints may live on different Redis Cluster slots, so no transaction spans
@@ -16,6 +18,7 @@ import asyncio
 from collections.abc import Iterable
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from worker.protocol import (
     GPU_UPDATES_CHANNEL,
@@ -30,7 +33,7 @@ from worker.protocol import (
 
 
 class RedisPublisher:
-    def __init__(self, client: aioredis.Redis, *, ttl: float) -> None:
+    def __init__(self, client: aioredis.Redis | RedisCluster, *, ttl: float) -> None:
         self._client = client
         self._ttl_ms = max(1, int(ttl * 1000))
 
@@ -40,14 +43,14 @@ class RedisPublisher:
             pipe.delete(key)
             pipe.hset(key, mapping=encode(record))
             pipe.pexpire(key, self._ttl_ms)
-            pipe.publish(UPDATES_CHANNEL, record.endpoint_id)
             await pipe.execute()
+        await self._client.publish(UPDATES_CHANNEL, record.endpoint_id)
 
 
 class GpuRecordPublisher:
     """The node agent's writes: every round, the GPU record of each endpoint on the node."""
 
-    def __init__(self, client: aioredis.Redis, *, ttl: float, node: str) -> None:
+    def __init__(self, client: aioredis.Redis | RedisCluster, *, ttl: float, node: str) -> None:
         self._client = client
         self._ttl_ms = max(1, int(ttl * 1000))
         self._node = node

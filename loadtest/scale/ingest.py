@@ -122,11 +122,12 @@ def hiredis_available(env: dict[str, str] | None) -> bool:
 
 READ_COST = """
 import asyncio, json, sys, time
+from router.redis_client import RedisSettings, connect
 from router.telemetry import RedisStore
 from loadtest.scale.inputs import endpoint_ids
 
 async def main(url, n, rounds):
-    store = RedisStore(url, timeout=5)
+    store = RedisStore(connect(RedisSettings(url=url), timeout=5))
     ids = endpoint_ids(n)
     found = len(await store.read(ids))
     cpu, wall = [], []
