@@ -7,16 +7,18 @@ Definitions (the same for every router measured, ours or a peer):
   **E2E**: send to the end of the stream.
 - **Window**: statistics are over the steady part of a run: requests planned from `warmup` (simulated
   seconds; the fleet starts empty, so the first requests see idle engines) to the last planned arrival (in
-  a closed loop, by send times). Keep `warmup` above a typical E2E, or completions of the window's last
-  requests fall outside it and throughput reads low.
+  a closed loop, by send times).
+- **Span**: from the window's start to the last answer of a request of the window (vLLM's benchmark_serving
+  counts a benchmark's duration the same way): how long the window's work took.
 - **Failures count**: TTFT and E2E percentiles include every failed request of the window as infinitely
   slow (shown as "failed"), so shedding or timing out the worst requests never improves a P99 or a capacity.
-- **Throughput**: requests (and their output tokens) *completed* inside the window, per second of it. A fleet
-  that keeps up completes what arrives; one that falls behind completes only its capacity, and the backlog
-  it builds does not count.
-- **Goodput**: requests *sent* inside the window that met the SLO, per second of the window: TTFT <= `ttft`
-  and the request's mean ITL <= `itl` (DistServe's per-request definition). **Attainment** is the share of
-  the window's requests that met it.
+- **Throughput**: the window's requests that succeeded (and their output tokens), per second of the span. A
+  fleet that keeps up serves at the arrival rate (the span exceeds the window by about one answer); one that
+  falls behind drains its backlog after the last arrival, the span grows, and throughput shows what it
+  served. However short the run or long the answers, it never reads a fraction of what was served.
+- **Goodput**: the window's requests that met the SLO, per second of the span: TTFT <= `ttft` and the
+  request's mean ITL <= `itl` (DistServe's per-request definition); a subset of throughput, never above it.
+  **Attainment** is the share of the window's requests that met it.
 - **Capacity** (computed over a sweep, in `loadtest.report`): the highest offered rate whose P99 TTFT is within
   the SLO's `ttft`, the definition of the design's policy table.
 
@@ -69,11 +71,11 @@ class RunSummary:
     sent: int
     ok: int
     errors: dict[str, int]
-    duration: float  # the measurement window, simulated seconds
+    duration: float  # the measurement window (its arrivals), simulated seconds
     realised_rate: float  # requests that arrived in the window, per simulated second of it
-    throughput_rps: float
-    output_tokens_per_s: float
-    goodput_rps: float
+    throughput_rps: float  # the window's requests that succeeded, per second of `span`
+    output_tokens_per_s: float  # their output tokens, per second of `span`
+    goodput_rps: float  # the window's requests that met the SLO, per second of `span`
     slo_attainment: float
     ttft: dict[str, float | None]
     itl: dict[str, float | None]
@@ -81,6 +83,10 @@ class RunSummary:
     client_lateness_p99: float | None  # wall seconds the generator fired late (high: the client was overloaded)
     by_priority: dict[str, dict[str, Any]] = field(default_factory=dict)
     served: dict[str, int] = field(default_factory=dict)  # requests per endpoint, where the router said
+    # From the window's start to the last answer of a request that arrived in it (the window itself when
+    # that is later): the time the window's work took, as vLLM's benchmark_serving counts a benchmark's
+    # duration. Rates over it never exceed what was served, however short the run or long the answers.
+    span: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,12 +130,16 @@ def summarise(results: Sequence[Result], *, offered_rate: float, slo: Slo, scale
 
     Latency percentiles cover every request that arrived inside the window, failed ones included as an
     infinite TTFT and E2E: a policy that sheds or times out its worst requests must not look faster for it.
-    Means and ITL are over the successful ones."""
+    Means and ITL are over the successful ones. Throughput and goodput count the window's requests over the
+    time their work took (`span`), so goodput (a subset) never exceeds throughput, and a fleet that falls
+    behind shows what it served, not what was offered."""
     start, end = window_of(results, scale=scale, warmup=warmup, closed=closed)
     window = (end - start) / scale or 1.0 / max(offered_rate, 1e-9)
     inside = [r for r in results if _arrival(r, closed) >= start]
     ok = [r for r in inside if r.ok]
-    completed = [r for r in results if r.ok and r.e2e is not None and start <= r.sent_at + r.e2e <= end]
+    completed = [r for r in ok if r.e2e is not None]
+    last = max((r.sent_at + r.e2e for r in completed if r.e2e is not None), default=end)
+    span = (max(end, last) - start) / scale or window
     errors = Counter(r.error for r in inside if r.error)
     failed = len(inside) - len(ok)
     ttft = [r.ttft / scale for r in ok if r.ttft is not None]
@@ -151,9 +161,9 @@ def summarise(results: Sequence[Result], *, offered_rate: float, slo: Slo, scale
         errors=dict(sorted(errors.items())),
         duration=window,
         realised_rate=len(inside) / window,
-        throughput_rps=len(completed) / window,
-        output_tokens_per_s=sum(r.output_tokens for r in completed) / window,
-        goodput_rps=good / window,
+        throughput_rps=len(completed) / span,
+        output_tokens_per_s=sum(r.output_tokens for r in completed) / span,
+        goodput_rps=good / span,
         slo_attainment=good / len(inside) if inside else 0.0,
         ttft=_dist(ttft, failed),
         itl=_dist(itl),
@@ -161,6 +171,7 @@ def summarise(results: Sequence[Result], *, offered_rate: float, slo: Slo, scale
         client_lateness_p99=percentile([r.lateness for r in inside], 99),
         by_priority=by_priority,
         served=dict(sorted(served.items())),
+        span=span,
     )
 
 

@@ -237,13 +237,14 @@ def test_builtin_redis_refuses_clients_without_its_password(rendered, redis_bina
 
 def _pods(objs: list[dict]) -> dict[str, Pod]:
     pods = {}
-    for w in _workloads(objs):
+    for w in [*_workloads(objs), *(o for o in objs if o["kind"] == "DaemonSet")]:
         tmpl = w["spec"]["template"]
         ports = {p["name"]: p["containerPort"] for c in tmpl["spec"]["containers"] for p in c.get("ports", [])}
         pods[w["metadata"]["name"]] = Pod(w["metadata"]["name"], NAMESPACE, tmpl["metadata"]["labels"], ports)
     return pods
 
 
+GPU_AGENT = f"{ROUTER}-gpu-telemetry"
 OUTSIDERS = {
     "stranger": Pod("stranger", NAMESPACE, {"app": "stranger"}),  # another app in the release's namespace
     "elsewhere": Pod("elsewhere", "default", {"app": "web"}),
@@ -298,6 +299,30 @@ def test_network_policies_let_through_what_the_release_needs(rendered, sender, r
         network, places = _network(rendered[value_set])
         got = network.allows(places[sender], places[receiver], port, protocol)
         assert got == expected, f"{value_set}: {sender} -> {receiver}:{port}/{protocol} is {'open' if got else 'closed'}"
+
+
+@pytest.mark.parametrize(
+    ("source", "sender", "receiver", "port", "expected"),
+    [
+        # Node agents publish to Redis (as its labelled clients) and are scraped from monitoring only...
+        ("nvml", GPU_AGENT, f"{ROUTER}-redis", 6379, True),
+        ("nvml", "prometheus", GPU_AGENT, 9402, True),
+        ("nvml", "stranger", GPU_AGENT, 9402, False),
+        ("nvml", GPU_AGENT, "kube-dns", 53, True),
+        # ...and reach nothing else: NVML and the kubelet's socket are no network peers.
+        ("nvml", GPU_AGENT, "internet", 443, False),
+        ("nvml", GPU_AGENT, "internet", 9400, False),
+        # With the dcgm source, also the node's dcgm-exporter.
+        ("dcgm", GPU_AGENT, "internet", 9400, True),
+        ("dcgm", GPU_AGENT, "internet", 443, False),
+    ],
+)
+def test_gpu_node_agents_are_closed_too(helm, source, sender, receiver, port, expected):
+    objs = _objs(_template(helm, "-f", str(CHART / "ci" / f"gpu-telemetry-{source}-values.yaml")))
+    network, places = _network(objs)
+    protocol = "UDP" if port == 53 else "TCP"
+    got = network.allows(places[sender], places[receiver], port, protocol)
+    assert got == expected, f"{source}: {sender} -> {receiver}:{port} is {'open' if got else 'closed'}"
 
 
 def test_network_policies_can_be_left_to_the_cluster(helm):

@@ -177,10 +177,22 @@ def test_goodput_counts_only_requests_that_met_the_slo_inside_the_window() -> No
     s = summarise(results, offered_rate=0.5, slo=slo, warmup=1.0)
     assert s.sent == 5 and s.ok == 4 and s.errors == {"http_503": 1}
     assert s.duration == 10.0
-    assert s.goodput_rps == pytest.approx(2 / 10.0)
+    # The window's work took from 1 to 12 (the request arriving at 11 answers at 12): rates are over 11 s.
+    assert s.span == 11.0
+    assert s.goodput_rps == pytest.approx(2 / 11.0)
     assert s.slo_attainment == pytest.approx(2 / 5)
-    # Completed inside [1, 11]: the warm-up request (ends at 1.0), and the ones ending at 3, 5 and 9.
-    assert s.throughput_rps == pytest.approx(4 / 10.0)
+    # The window's four successes (the warm-up request is not the window's), whenever they ended.
+    assert s.throughput_rps == pytest.approx(4 / 11.0)
+    assert s.goodput_rps <= s.throughput_rps <= s.realised_rate
+
+
+def test_a_short_run_with_long_answers_reports_what_was_served_not_a_fraction_of_it() -> None:
+    # 10 requests in 2 s, each answered after 5 s: counting only answers that end before the last arrival
+    # read 0 req/s; the run served 10 requests in 7 s.
+    results = [result(i * 0.2, 0.1, 5.0, [0.01] * 9) for i in range(10)]
+    s = summarise(results, offered_rate=5.0, slo=Slo(ttft=0.5, itl=0.05))
+    assert s.span == pytest.approx(1.8 + 5.0)
+    assert s.throughput_rps == pytest.approx(10 / 6.8) and s.goodput_rps == s.throughput_rps
 
 
 def test_failed_requests_count_as_infinitely_slow_in_the_percentiles() -> None:
@@ -214,7 +226,8 @@ def test_times_of_a_time_scaled_fleet_are_reported_in_simulated_seconds() -> Non
     results = [result(i * scale, 0.1 * scale, 1.0 * scale, [0.01 * scale] * 5) for i in range(11)]
     s = summarise(results, offered_rate=1.0, slo=Slo(ttft=0.5, itl=0.05), scale=scale)
     assert s.ttft["p50"] == pytest.approx(0.1) and s.itl["p99"] == pytest.approx(0.01)
-    assert s.goodput_rps == pytest.approx(1.1) and s.duration == pytest.approx(10.0)
+    assert s.goodput_rps == pytest.approx(11 / 11.0) and s.duration == pytest.approx(10.0)
+    assert s.span == pytest.approx(11.0)  # simulated: the last answer ends 1 s after the last arrival
 
 
 @pytest.mark.parametrize(("points", "expected"), [
