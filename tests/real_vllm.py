@@ -289,9 +289,14 @@ def resume(url: str) -> None:
     post_json(url + "/resume", {})
 
 
+def _requests_on_engine(page: str) -> float:
+    """Running + waiting, as vLLM's /metrics says."""
+    return (_sample(page, "vllm:num_requests_running{") or 0) + (_sample(page, "vllm:num_requests_waiting{") or 0)
+
+
 def freeze_with_backlog(url: str, *, min_requests: int, attempts: int = 3) -> tuple[Load, str]:
-    """A real backlog that holds still: fire long requests, and the moment /metrics shows a full batch with a
-    queue behind it, pause the engine. Returns the load (resume the engine, then `finish()` it) and the
+    """A real backlog that holds still: fire long requests, and the moment /metrics shows at least
+    `min_requests` running + waiting (more than MAX_NUM_SEQS: a queue), pause the engine. Returns the load (resume the engine, then `finish()` it) and the
     frozen page, with at least `min_requests` running + waiting.
 
     The tiny model decodes a batch in ~2 ms a step, so an unfrozen backlog lasts a second or two and comes and
@@ -300,19 +305,18 @@ def freeze_with_backlog(url: str, *, min_requests: int, attempts: int = 3) -> tu
         load = Load(url, requests=4 * MAX_NUM_SEQS, max_tokens=300)
         deadline = time.monotonic() + 60
         try:
+            # Any moment with enough requests on the engine will do (on a busy machine the API server may feed
+            # the batch more slowly than it drains, so a full batch and a queue at once can never show).
             while time.monotonic() < deadline:
                 page = http_get(url + "/metrics")[1]
-                if (_sample(page, "vllm:num_requests_running{") == MAX_NUM_SEQS
-                        and (_sample(page, "vllm:num_requests_waiting{") or 0) > 0):
+                if _requests_on_engine(page) >= min_requests:
                     pause(url)
                     break
                 time.sleep(0.01)
             else:
-                raise RuntimeError("never saw a full batch with requests waiting")
+                raise RuntimeError(f"never saw {min_requests} requests on the engine")
             frozen = http_get(url + "/metrics")[1]
-            running = _sample(frozen, "vllm:num_requests_running") or 0
-            waiting = _sample(frozen, "vllm:num_requests_waiting{") or 0
-            if running + waiting >= min_requests:
+            if _requests_on_engine(frozen) >= min_requests:
                 return load, frozen
             resume(url)  # steps between the look and the pause emptied the queue: again
         except BaseException:
