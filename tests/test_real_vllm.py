@@ -280,7 +280,11 @@ async def test_adaptive_router_avoids_the_server_with_a_real_queue(vllm: list[Vl
     router = await start(vllm, {"strategy": "adaptive", "adaptive": {
         "weights": {"gpu": 0, "memory": 0, "queue": 1}, "signals": {"queue": "num_requests"},
         "maxQueue": MAX_NUM_SEQS}})
-    load, frozen = await asyncio.to_thread(freeze_with_backlog, vllm[0].url, min_requests=MAX_NUM_SEQS + 2)
+    try:  # the router is closed even when no backlog could be frozen (else its sockets leak into later tests)
+        load, frozen = await asyncio.to_thread(freeze_with_backlog, vllm[0].url, min_requests=MAX_NUM_SEQS + 2)
+    except BaseException:
+        await router.close()
+        raise
     try:
         backlog = parse_vllm_metrics(frozen)
         async with aiohttp.ClientSession() as http:

@@ -179,9 +179,11 @@ async def test_the_agent_takes_its_redis_password_from_a_file(make_engine, secre
         assert await client.hget(telemetry_key(endpoint_id), "num_waiting") == b"3.0"
     finally:
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 10) == 0
-        await pubsub.aclose()
-        await client.aclose()
+        try:
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+        finally:
+            await pubsub.aclose()
+            await client.aclose()
 
 
 def agent_redis(*flags: str) -> RedisSettings:
