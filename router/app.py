@@ -78,7 +78,7 @@ def build_context(
     balancer.set_endpoints(settings.endpoints)  # static discovery
     balancer.rebuild()
     metrics.set_policies(settings.policies)
-    admission = Admission(balancer=balancer, loads=loads, metrics=metrics, clock=clock)
+    admission = Admission(balancer=balancer, loads=loads, metrics=metrics, clock=clock, tenancy=settings.tenancy)
     loads.on_release = admission.released  # a slot freed: wake the best queued request
     balancer.on_rebuild = admission.rebuilt  # endpoints resumed, joined or recovered: maybe more slots
     decisions = DecisionLog(settings.explain or ExplainSettings(), metrics,
@@ -266,7 +266,7 @@ def apply_settings(ctx: RouterContext, new: Settings) -> None:
     Redis, telemetry and worker count need a restart; a change to them rejects the whole reload."""
     old = ctx.settings
     fixed = ("listen", "admin", "redis", "telemetry", "workers", "auth", "max_header_bytes", "client_timeouts",
-             "discovery", "control")
+             "discovery", "control", "tenancy")
     changed = [name for name in fixed if getattr(old, name) != getattr(new, name)]
     if changed:
         raise ReloadRejected(f"these settings need a restart: {', '.join(changed)}")

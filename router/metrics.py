@@ -341,6 +341,42 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # Tenants (router/tenants.py, router/fair_queue.py): only with a `tenancy:` block. The
+        # tenant label holds names from the configuration only, never a client's string.
+        self.tenant_admitted = Counter(
+            "fleetroute_tenant_admitted",
+            "Requests of a tenant let on to routing: for capped pools, past admission.",
+            ["tenant", "model"],
+            registry=r,
+        )
+        self.tenant_shed = Counter(
+            "fleetroute_tenant_shed",
+            "Requests of a tenant refused before routing, by reason: the admission reasons deadline, queue_full, "
+            "evicted.",
+            ["tenant", "model", "reason"],
+            registry=r,
+        )
+        self.tenant_queue_depth = Gauge(
+            "fleetroute_tenant_queue_depth",
+            "Requests of a tenant waiting in a model's admission queue.",
+            ["tenant", "model"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.tenant_wait = Histogram(
+            "fleetroute_tenant_queue_wait_seconds",
+            "Time a tenant's requests waited in an admission queue before being admitted (only those that waited).",
+            ["tenant", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "fleetroute_tenant_tokens",
+            "Tokens of a tenant's requests, by kind: prompt (estimated when the request was let on) and completion "
+            "(counted from the answer; a cut stream counts the tokens it carried).",
+            ["tenant", "kind"],
+            registry=r,
+        )
         # Request cost prediction (router/cost.py): only policies that estimate costs.
         self.cost_outcomes = Counter(
             "fleetroute_cost_outcomes",
