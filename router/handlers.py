@@ -3,8 +3,8 @@
 
 One inference request: read the body (router/request_body.py: size, timeout, encodings, `Expect`), parse the
 JSON, check the model, name its tenant (router/tenants.py, with a `tenancy:` block), estimate its cost when
-the model's policy does or tenants are configured (router/cost.py), queue it when its pool is saturated
-(router/admission.py), pick an endpoint
+the model's policy does or tenants are configured (router/cost.py), check its tenant's budgets
+(router/budgets.py), queue it when its pool is saturated (router/admission.py), pick an endpoint
 through the policy, forward and stream (`proxy`), then count and log it, and teach the cost model the
 answer's output tokens. A connection failure (the request never left) is retried on another endpoint, up
 to the policy's `retries.attempts`. Every error the router produces itself is in the OpenAI shape (`errors`),
@@ -26,6 +26,7 @@ import orjson
 from aiohttp import web
 
 from router.admission import AdmissionSettings
+from router.budgets import Verdict
 from router.connections import ClientConnection
 from router.context import CONTEXT, RouterContext
 from router.cost import CostEstimate, CostSettings, relative_error
@@ -41,7 +42,7 @@ from router.sticky import StickyTable
 from router.tenants import Tenant
 
 # Costs are estimated with the defaults for policies without a `cost:` block once tenants are configured: a
-# tenant's tokens and fair share are counted in them.
+# tenant's tokens, budgets and fair share are all counted in them.
 TENANT_COST = CostSettings()
 
 log = logging.getLogger("fleetroute.handlers")
@@ -74,6 +75,7 @@ class Served:
     cost_settings: CostSettings | None = None
     decision: Decision | None = None  # an explained request's routing record (router/explain.py)
     tenant: Tenant | None = None  # with a `tenancy:` block: the request's tenant (router/tenants.py)
+    budget: Verdict | None = None  # its budget check, for a budgeted tenant (router/budgets.py)
     counter: OutputCounter | None = None  # counts the answer's output tokens (requests with a cost estimate)
 
     @property
@@ -98,8 +100,11 @@ async def inference(request: web.Request) -> web.StreamResponse:
         await _serve(request, ctx, request_id, started, served)
         assert served.response is not None
         decision = served.decision
-        if decision is not None and decision.requested and not served.response.prepared:
-            served.response.headers.update(decision.headers())  # the router's own answer (shed, no endpoint...)
+        if not served.response.prepared:  # the router's own answer (shed, no endpoint...)
+            if decision is not None and decision.requested:
+                served.response.headers.update(decision.headers())
+            if served.budget is not None:
+                served.response.headers.update(served.budget.headers)  # x-ratelimit-*, as on every answer
         return served.response
     except BaseException as exc:
         served.failure = exc
@@ -165,7 +170,7 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
 
 def _count_completion(ctx: RouterContext, served: Served, learned: tuple[int | None, str] | None) -> None:
     """A tenant's completion tokens: the answer's count when it was complete (`learned`), else the tokens a cut
-    stream carried (a lower bound: the client read them)."""
+    stream carried (a lower bound: the client read them); counted, and charged to its token budget."""
     tenant = served.tenant
     assert tenant is not None
     if learned is not None and learned[0] is not None:
@@ -176,6 +181,8 @@ def _count_completion(ctx: RouterContext, served: Served, learned: tuple[int | N
         return
     if tokens > 0:
         ctx.metrics.child(ctx.metrics.tenant_tokens, tenant.name, "completion").inc(tokens)
+        if ctx.budgets is not None:
+            ctx.budgets.charge(tenant, tokens)
 
 
 def _learn_cost(ctx: RouterContext, served: Served, status: int) -> tuple[int | None, str] | None:
@@ -267,6 +274,14 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
         cost = estimate.cost.total
         info = RequestInfo(model=model, request_id=request_id, headers=request.headers, body=payload,
                            cost=estimate.cost)
+    if tenant is not None and tenant.budgeted and ctx.budgets is not None:
+        # Before the queue: the check awaits Redis, and nothing may await between admission and the forward.
+        assert served.estimate is not None  # tenants always have estimates (TENANT_COST)
+        verdict = served.budget = await ctx.budgets.check(tenant, served.estimate.cost.prompt_tokens, model)
+        if verdict.response is not None:
+            ctx.metrics.tenant_shed.labels(tenant.name, model, verdict.reason).inc()
+            served.response = verdict.response
+            return
     pin = await _session_pin(ctx, spec.name, info)
     # Admission (router/admission.py): None unless the policy caps endpoint concurrency. No await may come
     # between `admit` and the forward below, which is what marks the admitted request in flight.
@@ -277,6 +292,8 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
         if decision is not None:
             explain_admission(decision, admission.settings, request.headers, ctx.clock() - queued_at, shed)
         if shed is not None:
+            if tenant is not None and served.budget is not None and ctx.budgets is not None:
+                ctx.budgets.refund(tenant, served.budget)  # a full fleet is not the tenant's spending
             served.response = shed
             return
     if tenant is not None:
@@ -332,11 +349,12 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
             if retryable and not ctx.retry_budget.allows(retries.budget_percent, retries.min_per_second):
                 retryable = False  # a failure of this attempt will be answered, not retried
                 ctx.metrics.retry_budget_exhausted.labels(model).inc()
-            explanation = None
+            explanation = served.budget.headers if served.budget is not None and served.budget.headers else None
             if attempt is not None:
                 attempt.outcome = "sent"
                 if decision is not None and decision.requested:
-                    explanation = decision.headers()  # on the response before its first byte, streamed or not
+                    # on the response before its first byte, streamed or not
+                    explanation = {**(explanation or {}), **decision.headers()}
             try:
                 counter = OutputCounter() if served.estimate is not None and served.estimate.learns else None
                 served.counter = counter

@@ -215,7 +215,7 @@ class Settings:
     discovery: DiscoverySettings = DiscoverySettings()
     control: ControlSettings | None = None  # router.control: RoutingPolicy resources; None: file policies only
     explain: ExplainSettings | None = None  # router.explain: sampling and recent decisions; None: the defaults
-    tenancy: TenancySettings | None = None  # router.tenants: tenants and fair sharing; None: no tenants
+    tenancy: TenancySettings | None = None  # router.tenants: tenants, fair sharing, budgets; None: no tenants
 
 
 class Fields:
@@ -863,6 +863,11 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     from router.tenants import DEFAULT_TENANT, parse_tenancy  # here, not on top: it builds on this module
 
     tenancy = parse_tenancy(top.sub("tenancy")) if top.get("tenancy") is not None else None
+    if tenancy is not None and tenancy.budgets and not redis.enabled:
+        budgeted = next(t.name for t in tenancy.tenants if t.budgeted)
+        raise ConfigError("tenancy.tenants", f"tenant {budgeted!r} has a budget, and budgets need redis (they are "
+                                             "shared between router replicas through it): set redis.url, or leave "
+                                             "requestsPerMinute and tokensPerMinute out")
     from router.auth import parse_auth  # here, not on top: router.auth builds on this module
 
     auth = parse_auth(top, tenancy.names() if tenancy is not None else (DEFAULT_TENANT,))

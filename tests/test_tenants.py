@@ -22,7 +22,7 @@ KEY_ACME = "sk-acme-0123456789abcdef"
 KEY_ACME_2 = "sk-acme-second-0000000000"
 KEY_BETA = "sk-beta-fedcba9876543210"
 KEY_OLD = "sk-old-format-5555555555"
-TENANTS = [{"name": "acme", "weight": 3}, {"name": "beta"}]
+TENANTS = [{"name": "acme", "weight": 3}, {"name": "beta", "requestsPerMinute": None}]
 
 
 def _bearer(key: str) -> dict[str, str]:
@@ -48,27 +48,35 @@ def test_the_defaults_and_a_full_block() -> None:
     t = parse_settings({"tenancy": {}}).tenancy
     assert t == TenancySettings()
     assert t.names() == (DEFAULT_TENANT,) and t.header == "x-tenant-id" and t.fairness
-    t = parse_settings({"tenancy": {
-        "header": "X-Team", "fairness": False,
-        "tenants": [{"name": "acme", "weight": 3}, {"name": "default", "weight": 0.5}]}}).tenancy
-    assert t.header == "x-team" and not t.fairness
-    assert t.tenants == (Tenant("acme", 3.0), Tenant("default", 0.5))  # default listed: its settings
-    assert t.tenant("nobody") == Tenant("default", 0.5)
+    assert t.budget_fail_mode == "open" and t.budget_timeout == 0.1 and not t.budgets
+    t = parse_settings({"redis": {"url": "redis://127.0.0.1:1"}, "tenancy": {
+        "header": "X-Team", "fairness": False, "budgetFailMode": "closed", "budgetTimeout": "250ms",
+        "tenants": [{"name": "acme", "weight": 3, "requestsPerMinute": 600, "tokensPerMinute": 100000},
+                    {"name": "default", "weight": 0.5}]}}).tenancy
+    assert t.header == "x-team" and not t.fairness and t.budget_fail_mode == "closed" and t.budget_timeout == 0.25
+    assert t.tenants == (Tenant("acme", 3.0, 600, 100000), Tenant("default", 0.5))  # default listed: its settings
+    assert t.budgets and t.tenant("nobody") == Tenant("default", 0.5)
     assert parse_settings({"tenancy": {"header": None}}).tenancy.header is None
 
 
 @pytest.mark.parametrize(
     ("block", "message"),
     [
-        ({"tenant": []}, "tenancy.tenant: unknown field (expected one of: fairness, header, tenants)"),
+        ({"tenant": []}, "tenancy.tenant: unknown field (expected one of: budgetFailMode, budgetTimeout, fairness, "
+                         "header, tenants)"),
         ({"tenants": [{"name": "Acme Corp"}]}, "tenancy.tenants[0].name: tenant names must be lower-case"),
         ({"tenants": [{"weight": 2}]}, "tenancy.tenants[0].name: is required"),
         ({"tenants": [{"name": "a"}, {"name": "a"}]}, "tenancy.tenants[1].name: duplicate tenant 'a'"),
         ({"tenants": [{"name": "a", "weight": 0}]}, "tenancy.tenants[0].weight: must be > 0.0 and <= 1000.0"),
+        ({"tenants": [{"name": "a", "requestsPerMinute": 0}]}, "tenancy.tenants[0].requestsPerMinute: must be between 1"),
+        ({"tenants": [{"name": "a", "tokensPerMinute": "lots"}]}, "tenancy.tenants[0].tokensPerMinute: must be an integer"),
         ({"tenants": [{"name": "a", "rpm": 5}]}, "tenancy.tenants[0].rpm: unknown field"),
         ({"tenants": [{"name": f"t{i}"} for i in range(65)]}, "tenancy.tenants: at most 64 tenants, got 65"),
         ({"header": "x tenant"}, "tenancy.header: must be an HTTP header name"),
         ({"fairness": "yes"}, "tenancy.fairness: must be true or false"),
+        ({"budgetFailMode": "maybe"}, "tenancy.budgetFailMode: must be one of open, closed"),
+        ({"tenants": [{"name": "a", "requestsPerMinute": 5}]}, "tenancy.tenants: tenant 'a' has a budget, and budgets "
+                                                               "need redis"),
         ("on", "tenancy: must be a mapping, got 'on'"),
     ],
     ids=lambda v: str(v)[:40],
