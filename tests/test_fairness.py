@@ -179,6 +179,20 @@ async def test_an_idle_tenant_earns_no_credit() -> None:
     assert "".join(rid[0] for rid in h.admitted) == "aaaa" + "bababa"
 
 
+async def test_with_shortest_expected_first_each_tenants_flow_keeps_that_order() -> None:
+    # Within a's flow the cheapest goes first; between a and b, tokens alternate (each pays its own cost).
+    h = Harness({**CAP1, "order": "shortest-expected-first"}, TWO)
+    h.hold("busy")
+    for rid, cost in (("a-300", 300), ("a-100", 100), ("a-200", 200)):
+        await h.send(rid, "a", cost=cost)
+    for rid, cost in (("b-250", 250), ("b-50", 50)):
+        await h.send(rid, "b", cost=cost)
+    await h.drain(5)
+    # Start tags: a-100 and b-50 tie at 0 (b-50's key is lower: cheaper), then a-100 (a 0 < b 50), b-250 (b 50 <
+    # a 100), a-200 (a 100 < b 300), a-300.
+    assert h.admitted == ["b-50", "a-100", "b-250", "a-200", "a-300"]
+
+
 async def test_classes_still_come_first_and_ageing_still_lifts_a_class() -> None:
     h = Harness({**CAP1, "agingSeconds": 10}, TWO)
     h.hold("busy")
