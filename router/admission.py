@@ -42,6 +42,11 @@ bounded amount, never starved (default rate 1000 tokens/s: a 5,000-token request
 Keys stay fixed on entry, so each class is a heap on its keys instead of a FIFO; across classes (ageing
 on) the key is `rank * aging + enqueued_at + C / rate`, the same virtual time.
 
+Tenants (with a `tenancy:` block, router/tenants.py): with `tenancy.fairness` on (the default), each class is
+one flow per tenant served by weighted fair queueing in predicted tokens (router/fair_queue.py has the
+algorithm and its guarantees); across classes, a class competes with its oldest request's key, as above.
+With one tenant (everything `default`), that is exactly the order described above.
+
 Shedding:
 - `deadline`: each request has a deadline (`x-request-deadline-ms`, at most the class's `deadline`),
   counted from when it joined the queue. One timer per pool fires at the earliest deadline; `sweep()`
@@ -49,8 +54,11 @@ Shedding:
   `clock`, so tests move a fake clock and call `sweep()` instead of sleeping.
 - `queue_full` / `evicted`: at `maxQueue` waiting, a newcomer of a strictly higher class evicts the
   last request in order of the lowest class present (the newest, or with shortest-expected-first the one
-  with the largest key); otherwise the newcomer is shed. Eviction looks at classes,
-  not ageing: under sustained overload an old low request must not keep a new high one out.
+  with the largest key; with fairness, of the tenant with the largest backlog per weight); with fairness, a
+  newcomer may instead evict the last request of the tenant of its own class with the largest backlog per
+  weight, when that exceeds its own tenant's (router/fair_queue.py); otherwise the newcomer is shed.
+  Eviction looks at classes, not ageing: under sustained overload an old low request must not keep a new
+  high one out.
 
 Shed requests get `shedStatus` (429 or 503) with `Retry-After` in the OpenAI error shape, a count in
 `fleetroute_admission_shed_total{model,priority,reason}` and one JSON log line each.
@@ -74,9 +82,11 @@ from aiohttp import web
 
 from router.balancer import Balancer
 from router.errors import error_response
+from router.fair_queue import FairClass
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
 from router.settings import ConfigError, Fields, PolicySpec, _show
+from router.tenants import DEFAULT_TENANT, TenancySettings
 
 log = logging.getLogger("fleetroute.admission")
 
@@ -232,12 +242,15 @@ class _State(enum.Enum):
 
 
 class _Waiter:
-    __slots__ = ("cls", "request_id", "enqueued_at", "deadline_at", "key", "seq", "future", "state")
+    __slots__ = ("cls", "request_id", "enqueued_at", "deadline_at", "key", "seq", "future", "state", "tenant",
+                 "cost")
 
     def __init__(self, cls: PriorityClass, request_id: str, now: float, deadline_at: float,
-                 key: tuple[float, ...], seq: int):
+                 key: tuple[float, ...], seq: int, tenant: str = "", cost: float = 0.0):
         self.cls = cls
         self.request_id = request_id
+        self.tenant = tenant  # router/tenants.py ("" without tenancy)
+        self.cost = cost  # predicted tokens (router/cost.py): fair queueing charges them
         self.enqueued_at = now
         self.deadline_at = deadline_at
         self.key = key  # the service order, fixed on entry (lower first); its last element is `seq`
@@ -260,6 +273,19 @@ class _Fifo(deque[_Waiter]):
 
     def last(self) -> _Waiter:
         return self[-1]
+
+    # What a class queue answers with fairness (router/fair_queue.py); here, one flow in arrival order.
+    def lead_key(self) -> tuple[float, ...]:
+        return self[0].key
+
+    def served(self, waiter: _Waiter) -> None:
+        pass
+
+    def unserved(self, waiter: _Waiter) -> None:
+        pass
+
+    def heavier_than(self, tenant: str, cost: float) -> _Waiter | None:
+        return None
 
 
 class _ByKey:
@@ -299,6 +325,18 @@ class _ByKey:
     def last(self) -> _Waiter:
         return self._top(self._reverse)
 
+    def lead_key(self) -> tuple[float, ...]:
+        return self.head().key
+
+    def served(self, waiter: _Waiter) -> None:
+        pass
+
+    def unserved(self, waiter: _Waiter) -> None:
+        pass
+
+    def heavier_than(self, tenant: str, cost: float) -> _Waiter | None:
+        return None
+
     def remove(self, waiter: _Waiter) -> None:
         self._live.discard(waiter)
         if len(self._heap) > 2 * len(self._live) + 64:  # bound the dead weight
@@ -324,11 +362,13 @@ class Admission:
         loads: LoadTracker,
         metrics: RouterMetrics,
         clock: Callable[[], float] = time.monotonic,
+        tenancy: TenancySettings | None = None,
     ) -> None:
         self._balancer = balancer
         self._loads = loads
         self._metrics = metrics
         self._clock = clock
+        self._tenancy = tenancy  # with tenants: per-tenant metrics, and fair queueing unless switched off
         self._pools: dict[str, Pool] = {}
         self._busy: set[Pool] = set()  # pools with someone queued: the only ones a release can concern
 
@@ -371,7 +411,8 @@ class Admission:
 
 
 class Pool:
-    """The admission queue of one model: one FIFO per priority class plus a deadline heap."""
+    """The admission queue of one model: one queue per priority class (with fairness, one flow per tenant in
+    each: router/fair_queue.py) plus a deadline heap."""
 
     def __init__(self, model: str, settings: AdmissionSettings, admission: Admission) -> None:
         self.model = model
@@ -382,7 +423,13 @@ class Pool:
         self._clock = admission._clock
         self._by_cost = settings.order == "shortest-expected-first"
         queue = _ByKey if self._by_cost else _Fifo
-        self._queues: dict[str, _Fifo | _ByKey] = {c.name: queue() for c in settings.classes}
+        tenancy = admission._tenancy
+        self._queues: dict[str, _Fifo | _ByKey | FairClass]
+        if tenancy is not None and tenancy.fairness:
+            weights = tenancy.weights()
+            self._queues = {c.name: FairClass(queue, weights) for c in settings.classes}
+        else:
+            self._queues = {c.name: queue() for c in settings.classes}
         self._lowest_first = tuple(reversed(settings.classes))
         self.queued = 0
         self.pending = 0  # woken requests that hold a promised slot but have not started yet
@@ -397,6 +444,11 @@ class Pool:
         self._admitted = {c.name: m.admission_admitted.labels(model, c.name) for c in settings.classes}
         self._waited = {c.name: m.admission_wait.labels(model, c.name) for c in settings.classes}
         self._shed_count = m.admission_shed
+        self._per_tenant = tenancy is not None
+        if tenancy is not None:
+            self._tenant_depth = {t: m.tenant_queue_depth.labels(t, model) for t in tenancy.names()}
+            self._tenant_waited = {t: m.tenant_wait.labels(t, model) for t in tenancy.names()}
+            self._tenant_shed = m.tenant_shed
 
     # ---- capacity (read from the load tracker, never counted here) --------------------------------------
 
@@ -432,9 +484,11 @@ class Pool:
 
     # ---- the request path ------------------------------------------------------------------------------
 
-    async def admit(self, request_id: str, headers: Mapping[str, str], cost: float = 0.0) -> web.Response | None:
+    async def admit(self, request_id: str, headers: Mapping[str, str], cost: float = 0.0,
+                    tenant: str = "") -> web.Response | None:
         """Wait for a slot. Returns None when the request may go on, or the response to shed it with.
-        `cost` (tokens, router/cost.py) orders the request within its class under shortest-expected-first."""
+        `cost` (tokens, router/cost.py) orders the request within its class under shortest-expected-first, and
+        is what fair queueing charges `tenant` (a configured tenant name, router/tenants.py; "" without)."""
         settings = self.settings
         cls = settings.classify(headers.get(settings.priority_header))
         ids = self.endpoint_ids()
@@ -454,15 +508,22 @@ class Pool:
             key: tuple[float, ...] = (cls.rank * aging + start, seq)
         else:
             key = (cls.rank, start, seq) if self._by_cost else (cls.rank, seq)
-        waiter = _Waiter(cls, request_id, now, now + deadline, key, seq)
+        if self._per_tenant and tenant not in self._tenant_depth:
+            tenant = DEFAULT_TENANT  # only configured names become labels
+        waiter = _Waiter(cls, request_id, now, now + deadline, key, seq, tenant, cost)
         if deadline <= 0:
             return self._shed(waiter, "deadline")
         if self.queued >= settings.max_queue:
             victim = self._victim()
+            fair = False
             if victim is None or victim.cls.rank <= cls.rank:
+                # With fairness, the tenant with the most waiting in this class gives up its newest instead.
+                victim = self._queues[cls.name].heavier_than(tenant, cost)
+                fair = True
+            if victim is None:
                 return self._shed(waiter, "queue_full")
             self._remove(victim)
-            victim.future.set_result(self._shed(victim, "evicted"))
+            victim.future.set_result(self._shed(victim, "evicted", fair=fair))
         self._enqueue(waiter)
         self.dispatch()
         return await self._wait(waiter)
@@ -477,8 +538,11 @@ class Pool:
                 waiter.state = _State.ADMITTED
                 ids = self.endpoint_ids()
                 if not ids or self._has_room(ids):
+                    waited = self._clock() - waiter.enqueued_at
                     self._admitted[waiter.cls.name].inc()
-                    self._waited[waiter.cls.name].observe(self._clock() - waiter.enqueued_at)
+                    self._waited[waiter.cls.name].observe(waited)
+                    if self._per_tenant:
+                        self._tenant_waited[waiter.tenant].observe(waited)
                     return None
                 # Rare: a request of another model sharing one of our endpoints took the slot between the
                 # wake-up and now. Back to the head of the class's queue, keeping the place it earned.
@@ -486,6 +550,7 @@ class Pool:
                     return self._shed(waiter, "deadline")
                 waiter.future = asyncio.get_running_loop().create_future()
                 self._enqueue(waiter, front=True)
+                self._queues[waiter.cls.name].unserved(waiter)  # fairness: its tenant gets the cost back
                 self.dispatch()
         except asyncio.CancelledError:  # the client went away while queued: give its place or slot on
             if waiter.state is _State.QUEUED:
@@ -499,8 +564,10 @@ class Pool:
         """Wake the best queued requests, one per free slot not already promised."""
         ids = self.endpoint_ids()
         while self.queued and (not ids or self._has_room(ids)):
-            waiter = self._best()
+            queue = self._best()
+            waiter = queue.head()
             self._remove(waiter)
+            queue.served(waiter)  # fairness: the tenant's virtual clock advances by the request's cost
             waiter.state = _State.WOKEN
             self.pending += 1
             waiter.future.set_result(None)
@@ -522,6 +589,8 @@ class Pool:
         waiter.state = _State.QUEUED
         self.queued += 1
         self._depth[waiter.cls.name].inc()
+        if self._per_tenant:
+            self._tenant_depth[waiter.tenant].inc()
         self._admission._busy.add(self)
         heapq.heappush(self._deadlines, (waiter.deadline_at, waiter.seq, waiter))
         self._arm()
@@ -530,6 +599,8 @@ class Pool:
         self._queues[waiter.cls.name].remove(waiter)
         self.queued -= 1
         self._depth[waiter.cls.name].dec()
+        if self._per_tenant:
+            self._tenant_depth[waiter.tenant].dec()
         if not self.queued:
             self._admission._busy.discard(self)
         # Deadline entries of requests that left are dropped lazily (at the heap's top); compact now and
@@ -538,9 +609,10 @@ class Pool:
             self._deadlines = [entry for entry in self._deadlines if entry[2].state is _State.QUEUED]
             heapq.heapify(self._deadlines)
 
-    def _best(self) -> _Waiter:
-        heads = [q.head() for q in self._queues.values() if q]
-        return min(heads, key=lambda w: w.key)
+    def _best(self) -> _Fifo | _ByKey | FairClass:
+        """The class queue to serve from: the one whose first request in admission order (rank, ageing) is
+        first. Without fairness its head is that request; with fairness, the class's fair choice."""
+        return min((q for q in self._queues.values() if q), key=lambda q: q.lead_key())
 
     def _victim(self) -> _Waiter | None:
         """The last request in order (FIFO: the newest) of the lowest class that has any."""
@@ -572,18 +644,23 @@ class Pool:
 
     # ---- shedding --------------------------------------------------------------------------------------
 
-    def _shed(self, waiter: _Waiter, reason: str) -> web.Response:
+    def _shed(self, waiter: _Waiter, reason: str, *, fair: bool = False) -> web.Response:
         settings = self.settings
         waiter.state = _State.SHED
         waited = max(0.0, self._clock() - waiter.enqueued_at)
         cls = waiter.cls.name
         self._shed_count.labels(self.model, cls, reason).inc()
+        tenant = {}
+        if self._per_tenant:
+            self._tenant_shed.labels(waiter.tenant, self.model, reason).inc()
+            tenant = {"tenant": waiter.tenant}
         log.warning(
             "request shed",
             extra={
                 "request_id": waiter.request_id,
                 "model": self.model,
                 "priority": cls,
+                **tenant,
                 "reason": reason,
                 "waited_ms": round(waited * 1000, 3),
                 "queued": self.queued,
@@ -599,6 +676,11 @@ class Pool:
             message = (
                 f"model `{self.model}` is at capacity and its queue is full ({settings.max_queue} requests of "
                 f"priority `{cls}` or higher); retry later"
+            )
+        elif fair:
+            message = (
+                f"model `{self.model}` is at capacity and its queue is full; this request's tenant had the most "
+                f"waiting, so it was dropped to make room for another tenant's; retry later"
             )
         else:
             message = (

@@ -23,6 +23,7 @@ from router import auth
 from router.admission import Admission
 from router.background import contained
 from router.balancer import Balancer
+from router.budgets import Budgets
 from router.connections import (
     ConnectionGuard,
     ListenerSite,
@@ -61,6 +62,7 @@ def build_context(
     rng: random.Random | None = None,
     clock: Callable[[], float] = time.monotonic,
     registry: PolicyRegistry | None = None,
+    budget_clock: Callable[[], float] | None = None,
 ) -> RouterContext:
     registry = registry or PolicyRegistry()
     rng = rng or random.Random()
@@ -78,7 +80,7 @@ def build_context(
     balancer.set_endpoints(settings.endpoints)  # static discovery
     balancer.rebuild()
     metrics.set_policies(settings.policies)
-    admission = Admission(balancer=balancer, loads=loads, metrics=metrics, clock=clock)
+    admission = Admission(balancer=balancer, loads=loads, metrics=metrics, clock=clock, tenancy=settings.tenancy)
     loads.on_release = admission.released  # a slot freed: wake the best queued request
     balancer.on_rebuild = admission.rebuilt  # endpoints resumed, joined or recovered: maybe more slots
     decisions = DecisionLog(settings.explain or ExplainSettings(), metrics,
@@ -86,6 +88,7 @@ def build_context(
     return RouterContext(
         settings=settings, metrics=metrics, loads=loads, balancer=balancer, registry=registry, admission=admission,
         decisions=decisions, clock=clock, rng=rng, forwarding=Forwarding(settings.listen.trusted_proxies),
+        budget_clock=budget_clock,
     )
 
 
@@ -219,6 +222,29 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
             await client.aclose()
 
 
+async def _budgets(app: web.Application) -> AsyncIterator[None]:
+    """Tenants' budgets (router/budgets.py), when a tenant has one: a Redis client with the budget timeout, and
+    the task that sends completion charges and refunds; on shutdown, what is still queued is sent once."""
+    ctx = app[CONTEXT]
+    tenancy = ctx.settings.tenancy
+    if tenancy is None or not tenancy.budgets:
+        yield
+        return
+    client = connect_redis(ctx.settings.redis, timeout=tenancy.budget_timeout)
+    budgets = ctx.budgets = Budgets(redis=client, tenancy=tenancy, metrics=ctx.metrics, clock=ctx.budget_clock)
+    task = asyncio.create_task(budgets.run(), name="fleetroute-budget-charges")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(Exception):  # best effort: Redis may be what is failing
+            await budgets.flush()
+        ctx.budgets = None
+        await client.aclose()
+
+
 async def _prefix_upkeep(app: web.Application) -> AsyncIterator[None]:
     """The prefix-aware policy's background task: index clock, tuning against the engines' hit rates, and,
     with Redis, sharing the index with the other replicas (its own client, with the telemetry timeout)."""
@@ -266,7 +292,7 @@ def apply_settings(ctx: RouterContext, new: Settings) -> None:
     Redis, telemetry and worker count need a restart; a change to them rejects the whole reload."""
     old = ctx.settings
     fixed = ("listen", "admin", "redis", "telemetry", "workers", "auth", "max_header_bytes", "client_timeouts",
-             "discovery", "control")
+             "discovery", "control", "tenancy")
     changed = [name for name in fixed if getattr(old, name) != getattr(new, name)]
     if changed:
         raise ReloadRejected(f"these settings need a restart: {', '.join(changed)}")
@@ -364,6 +390,7 @@ def build_apps(ctx: RouterContext) -> tuple[web.Application, web.Application]:
     ingress.cleanup_ctx.append(_discovery)  # first: the first snapshot already has the discovered endpoints
     ingress.cleanup_ctx.append(_upstream)
     ingress.cleanup_ctx.append(_shared_state)
+    ingress.cleanup_ctx.append(_budgets)
     ingress.cleanup_ctx.append(_prefix_upkeep)  # after _shared_state: it names this replica
     ingress.cleanup_ctx.append(_control)  # last: its policies get the session tables and health checks above
     add_ingress_routes(ingress)

@@ -10,6 +10,10 @@
   engine must never see, or log, the router's client keys). `auth.upstreamApiKeyEnv` names a variable
   holding the key the engines expect (vLLM `--api-key`); when set it is sent instead, whatever the client
   sent. With neither, `Authorization` passes through untouched, as before.
+- **Tenants** (router/tenants.py): a key followed by `tenant=<name>` (`sk-acme-1 tenant=acme`) belongs to
+  that tenant, which `tenancy.tenants` must list; other keys belong to `default`. The key check finds the
+  matching key's index without a branch on the match (`_match_index`) and records its tenant on the request
+  (`KEY_TENANT`), where router/tenants.py reads it.
 - **Explanations** (router/explain.py): a key followed by the flag `explain` (`sk-alice explain`) may ask
   for routing explanations with `x-fleetroute-explain: 1`; the admin token may too, as that header's value.
   Nobody else can: their header is ignored (`explain_permission`).
@@ -50,7 +54,8 @@ from multidict import CIMultiDict
 
 from router.errors import error_response
 from router.metrics import RouterMetrics
-from router.settings import ConfigError, Fields
+from router.settings import ConfigError, Fields, _show
+from router.tenants import DEFAULT_TENANT, KEY_TENANT
 
 ADMIN_TOKEN_ENV = "FLEETROUTE_ADMIN_TOKEN"
 DEFAULT_MAX_HEADER_BYTES = 8190  # aiohttp's (and nginx's large_client_header_buffers) default line size
@@ -58,7 +63,7 @@ MAX_HEADERS = 128
 OPEN_ADMIN_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})  # kubelet and Prometheus carry no token
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # visible ASCII, no spaces: what fits in `Bearer <token>`
-KEY_FLAGS = ("explain",)  # what may follow a key in a key file or variable
+KEY_FLAGS = ("explain", "tenant=<name>")  # what may follow a key in a key file or variable
 EXPLAIN_ON = frozenset({"1", "true", "yes", "on"})  # x-fleetroute-explain values that ask with an API key
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -70,6 +75,7 @@ class AuthSettings:
 
     api_key_digests: tuple[bytes, ...] = field(default=(), repr=False)
     explain_key_digests: tuple[bytes, ...] = field(default=(), repr=False)  # keys marked `explain`
+    api_key_tenants: tuple[str, ...] = ()  # the tenant of each key, in the order of api_key_digests
     api_key_sources: tuple[str, ...] = ()  # where the keys came from ("file /x", "$VAR"), for humans
     upstream_authorization: str | None = field(default=None, repr=False)  # "Bearer <engine key>"
     admin_token_digest: bytes | None = field(default=None, repr=False)
@@ -80,10 +86,11 @@ class AuthSettings:
         return bool(self.api_key_digests)
 
 
-def parse_auth(top: Fields) -> AuthSettings | None:
-    """The `auth:` block and `admin.tokenEnv`, with the secrets they point to read now; None if none is set."""
+def parse_auth(top: Fields, tenants: tuple[str, ...] = (DEFAULT_TENANT,)) -> AuthSettings | None:
+    """The `auth:` block and `admin.tokenEnv`, with the secrets they point to read now; None if none is set.
+    `tenants`: the tenant names keys may name (`tenancy.tenants`)."""
     f = top.sub("auth")
-    keys: list[tuple[str, bool]] = []  # (key, may ask for explanations)
+    keys: list[_Key] = []
     sources: list[str] = []
     path = f.get("apiKeysFile")
     if path is not None:
@@ -95,11 +102,11 @@ def parse_auth(top: Fields) -> AuthSettings | None:
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
             raise ConfigError(where, f"cannot read API keys from {path!r}: {reason}") from None
-        keys += _keys(text, where)
+        keys += _keys(text, where, tenants)
         sources.append(f"file {path}")
     env = _env_name(f, "apiKeysEnv")
     if env is not None:
-        keys += _keys(_required_env(env, f.at("apiKeysEnv")), f"${env}")
+        keys += _keys(_required_env(env, f.at("apiKeysEnv")), f"${env}", tenants)
         sources.append(f"${env}")
     upstream = None
     upstream_env = _env_name(f, "upstreamApiKeyEnv")
@@ -122,9 +129,17 @@ def parse_auth(top: Fields) -> AuthSettings | None:
         raise ConfigError(f"${token_env}", "must be one token of visible ASCII characters")
     if not keys and upstream is None and not token:
         return None  # nothing configured: no middleware, no header rewriting
+    by_digest: dict[bytes, str] = {}  # each key once, with its tenant
+    for key in keys:
+        digest = _digest(key.key)
+        if by_digest.setdefault(digest, key.tenant) != key.tenant:
+            # Never quote the key: config errors end up in logs.
+            raise ConfigError(key.where, f"a key is listed twice with different tenants ({by_digest[digest]}, "
+                                         f"{key.tenant}); the second time as key {key.number}")
     return AuthSettings(
-        api_key_digests=tuple(dict.fromkeys(_digest(k) for k, _ in keys)),
-        explain_key_digests=tuple(dict.fromkeys(_digest(k) for k, explain in keys if explain)),
+        api_key_digests=tuple(by_digest),
+        api_key_tenants=tuple(by_digest.values()),
+        explain_key_digests=tuple(dict.fromkeys(_digest(k.key) for k in keys if k.explain)),
         api_key_sources=tuple(sources),
         upstream_authorization=upstream,
         admin_token_digest=_digest(token) if token else None,
@@ -148,10 +163,20 @@ def _required_env(name: str, where: str) -> str:
     return value
 
 
-def _keys(text: str, where: str) -> list[tuple[str, bool]]:
+@dataclass(frozen=True)
+class _Key:
+    key: str = field(repr=False)
+    explain: bool  # may ask for routing explanations
+    tenant: str
+    where: str  # the source, for errors
+    number: int  # its position in the source, for errors (never the key itself)
+
+
+def _keys(text: str, where: str, tenants: tuple[str, ...] = (DEFAULT_TENANT,)) -> list[_Key]:
     """Keys separated by commas or newlines; blank lines and lines starting with `#` are skipped. A key may
-    be followed, after a space, by the flag `explain`: its holder may ask for routing explanations."""
-    keys: list[tuple[str, bool]] = []
+    be followed, after spaces, by flags: `explain` (its holder may ask for routing explanations) and
+    `tenant=<name>` (the tenant it belongs to, one of `tenants`; without it, `default`)."""
+    keys: list[_Key] = []
     for line in text.splitlines():
         if line.strip().startswith("#"):
             continue
@@ -159,14 +184,23 @@ def _keys(text: str, where: str) -> list[tuple[str, bool]]:
             if not item.strip():
                 continue
             key, *flags = item.split()
+            number = len(keys) + 1
             if not _TOKEN.match(key):
                 # Never quote the key itself: config errors end up in logs.
-                raise ConfigError(where, f"key {len(keys) + 1} contains spaces or non-ASCII characters")
-            if any(flag not in KEY_FLAGS for flag in flags):
+                raise ConfigError(where, f"key {number} contains spaces or non-ASCII characters")
+            tenant = DEFAULT_TENANT
+            named = [flag.removeprefix("tenant=") for flag in flags if flag.startswith("tenant=")]
+            if any(flag != "explain" and not flag.startswith("tenant=") for flag in flags) or len(named) > 1:
                 # Nor the flag: a missing comma between two keys would make the second one look like a flag.
-                raise ConfigError(where, f"key {len(keys) + 1} is followed by something other than a flag "
+                raise ConfigError(where, f"key {number} is followed by something other than a flag "
                                          f"(a key may be followed by: {', '.join(KEY_FLAGS)})")
-            keys.append((key, "explain" in flags))
+            if named:
+                tenant = named[0]
+                if tenant not in tenants:
+                    # A tenant name is a metric label value: only names the configuration lists.
+                    raise ConfigError(where, f"key {number} names tenant {_show(tenant[:40])}, which tenancy.tenants "
+                                             f"does not list (listed: {', '.join(tenants)})")
+            keys.append(_Key(key, "explain" in flags, tenant, where, number))
     if not keys:
         raise ConfigError(where, "contains no API keys")
     return keys
@@ -194,6 +228,16 @@ def _matches(token: str, digests: tuple[bytes, ...]) -> bool:
     return ok
 
 
+def _match_index(token: str, digests: tuple[bytes, ...]) -> int:
+    """The index of the digest `token` hashes to, or -1. Like `_matches`, every digest is compared every time,
+    and the match is added in, not branched on (the digests are distinct, so at most one matches)."""
+    presented = _digest(token)
+    found = 0
+    for i, digest in enumerate(digests, 1):
+        found += i * hmac.compare_digest(presented, digest)
+    return found - 1
+
+
 def _unauthorized(metrics: RouterMetrics, *, reason: str, missing: bool, what: str) -> web.Response:
     metrics.rejected.labels(reason).inc()
     if missing:
@@ -208,12 +252,15 @@ def _unauthorized(metrics: RouterMetrics, *, reason: str, missing: bool, what: s
 def client_auth_middleware(settings: AuthSettings, metrics: RouterMetrics) -> Any:
     """Ingress middleware requiring one of the client API keys (install it only when keys are set)."""
     digests = settings.api_key_digests
+    tenants = settings.api_key_tenants
 
     @web.middleware
     async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         token = _bearer(request.headers.get("Authorization"))
-        if token is None or not _matches(token, digests):
+        index = _match_index(token, digests) if token is not None else -1
+        if index < 0:
             return _unauthorized(metrics, reason="invalid_api_key", missing=token is None, what="API key")
+        request[KEY_TENANT] = tenants[index]  # router/tenants.py: the request's tenant
         return await handler(request)
 
     return require_api_key

@@ -91,7 +91,15 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
   logging: {level: info, accessLog: true}
   auth: {apiKeysFile: FILE, apiKeysEnv: VAR, upstreamApiKeyEnv: VAR}
                                                client API keys ("KEY explain" may ask for routing
-                                               explanations); the key sent to the engines
+                                               explanations, "KEY tenant=NAME" is that tenant's);
+                                               the key sent to the engines
+  tenancy: {header: x-tenant-id, fairness: true, budgetFailMode: open, budgetTimeout: 100ms,
+            tenants: [{name: NAME, weight: 1, requestsPerMinute: N, tokensPerMinute: N}]}
+                                               tenants: the key's, else the header's (listed names
+                                               only, else default); weighted fair queueing in tokens
+                                               within each saturated admission class; budgets per
+                                               minute shared through Redis (429 + x-ratelimit-*);
+                                               open or closed while Redis is down
   explain: {sampleRate: 0, recent: 256, headerCandidates: 8}
                                                routing decisions recorded and logged unasked (a share),
                                                kept for /admin/decisions. Ask on one request with

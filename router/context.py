@@ -20,6 +20,7 @@ from aiohttp import web
 from router.access_log import AccessLog
 from router.admission import Admission
 from router.balancer import Balancer
+from router.budgets import Budgets
 from router.cost import CostModel
 from router.departures import EndpointStateOwner
 from router.explain import DecisionLog
@@ -57,6 +58,8 @@ class RouterContext:
     http: aiohttp.ClientSession | None = None  # the pooled upstream session (proxy, probes, telemetry)
     sticky: dict[str, StickyTable] = field(default_factory=dict)  # policy name -> session pins
     shared_loads: SharedLoads | None = None  # with Redis: in-flight counts exchanged with other replicas
+    budgets: Budgets | None = None  # tenants' budgets through Redis (app start-up to shutdown; router.budgets)
+    budget_clock: Callable[[], float] | None = None  # budgets' wall clock (tests); None: the Redis server's
     sticky_redis: Any = None  # the Redis client session pins use (None without Redis)
     prefix_upkeep: PrefixUpkeep | None = None  # prefix-aware tuning and sharing (app start-up to shutdown)
     telemetry_feed: TelemetryFeed | None = None  # while telemetry is read (app start-up to shutdown)

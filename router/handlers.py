@@ -2,7 +2,9 @@
 `/admin/*`).
 
 One inference request: read the body (router/request_body.py: size, timeout, encodings, `Expect`), parse the
-JSON, check the model, estimate its cost when the model's policy does (router/cost.py), pick an endpoint
+JSON, check the model, name its tenant (router/tenants.py, with a `tenancy:` block), estimate its cost when
+the model's policy does or tenants are configured (router/cost.py), check its tenant's budgets
+(router/budgets.py), queue it when its pool is saturated (router/admission.py), pick an endpoint
 through the policy, forward and stream (`proxy`), then count and log it, and teach the cost model the
 answer's output tokens. A connection failure (the request never left) is retried on another endpoint, up
 to the policy's `retries.attempts`. Every error the router produces itself is in the OpenAI shape (`errors`),
@@ -24,6 +26,7 @@ import orjson
 from aiohttp import web
 
 from router.admission import AdmissionSettings
+from router.budgets import Verdict
 from router.connections import ClientConnection
 from router.context import CONTEXT, RouterContext
 from router.cost import CostEstimate, CostSettings, relative_error
@@ -36,6 +39,11 @@ from router.policies.consistent_hash import load_bound
 from router.proxy import Outcome, UpstreamFailed
 from router.request_body import BodyRejected, expect_handler, read_body
 from router.sticky import StickyTable
+from router.tenants import Tenant
+
+# Costs are estimated with the defaults for policies without a `cost:` block once tenants are configured: a
+# tenant's tokens, budgets and fair share are all counted in them.
+TENANT_COST = CostSettings()
 
 log = logging.getLogger("fleetroute.handlers")
 
@@ -66,6 +74,9 @@ class Served:
     estimate: CostEstimate | None = None  # policies that estimate request costs (router/cost.py)
     cost_settings: CostSettings | None = None
     decision: Decision | None = None  # an explained request's routing record (router/explain.py)
+    tenant: Tenant | None = None  # with a `tenancy:` block: the request's tenant (router/tenants.py)
+    budget: Verdict | None = None  # its budget check, for a budgeted tenant (router/budgets.py)
+    counter: OutputCounter | None = None  # counts the answer's output tokens (requests with a cost estimate)
 
     @property
     def status(self) -> int:
@@ -89,8 +100,11 @@ async def inference(request: web.Request) -> web.StreamResponse:
         await _serve(request, ctx, request_id, started, served)
         assert served.response is not None
         decision = served.decision
-        if decision is not None and decision.requested and not served.response.prepared:
-            served.response.headers.update(decision.headers())  # the router's own answer (shed, no endpoint...)
+        if not served.response.prepared:  # the router's own answer (shed, no endpoint...)
+            if decision is not None and decision.requested:
+                served.response.headers.update(decision.headers())
+            if served.budget is not None:
+                served.response.headers.update(served.budget.headers)  # x-ratelimit-*, as on every answer
         return served.response
     except BaseException as exc:
         served.failure = exc
@@ -121,6 +135,8 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
                                         streamed=outcome.chunks > 1
                                         and outcome.response.content_type == "text/event-stream")
     learned = _learn_cost(ctx, served, status) if served.estimate is not None else None
+    if served.tenant is not None:
+        _count_completion(ctx, served, learned)
     if served.decision is not None:
         ctx.decisions.finish(served.decision, status, duration)
     if ctx.settings.access_log:
@@ -138,6 +154,8 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
             "failure": type(served.failure).__name__ if served.failure else None,
             "client": ctx.forwarding.client(request),  # behind trusted proxies: the address they forwarded
         }
+        if served.tenant is not None:
+            fields["tenant"] = served.tenant.name
         if served.decision is not None:
             fields["decision_id"] = served.decision.id  # the routing record: /admin/decisions/{id}
         if served.estimate is not None:
@@ -148,6 +166,23 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
             if learned is not None:
                 fields["output_tokens"], fields["output_tokens_source"] = learned
         ctx.access_log.write(fields)
+
+
+def _count_completion(ctx: RouterContext, served: Served, learned: tuple[int | None, str] | None) -> None:
+    """A tenant's completion tokens: the answer's count when it was complete (`learned`), else the tokens a cut
+    stream carried (a lower bound: the client read them); counted, and charged to its token budget."""
+    tenant = served.tenant
+    assert tenant is not None
+    if learned is not None and learned[0] is not None:
+        tokens = learned[0]
+    elif served.counter is not None:
+        tokens = served.counter.events()
+    else:
+        return
+    if tokens > 0:
+        ctx.metrics.child(ctx.metrics.tenant_tokens, tenant.name, "completion").inc(tokens)
+        if ctx.budgets is not None:
+            ctx.budgets.charge(tenant, tokens)
 
 
 def _learn_cost(ctx: RouterContext, served: Served, status: int) -> tuple[int | None, str] | None:
@@ -229,25 +264,42 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     spec = balancer.policy_for(model)
     # None unless this request is explained (asked for by someone allowed to, or sampled): router/explain.py.
     decision = served.decision = ctx.decisions.begin(request.headers, request_id, model, spec.name, spec.strategy)
+    tenancy = ctx.settings.tenancy
+    tenant = served.tenant = tenancy.identify(request) if tenancy is not None else None
+    cost_settings = spec.cost or (TENANT_COST if tenant is not None else None)
     cost = 0.0
-    if spec.cost is not None:  # the policy estimates request costs (router/cost.py): microseconds
-        estimate = served.estimate = ctx.cost.estimate(info, request.path, spec.cost)
-        served.cost_settings = spec.cost
+    if cost_settings is not None:  # the policy (or tenancy) estimates request costs (router/cost.py): microseconds
+        estimate = served.estimate = ctx.cost.estimate(info, request.path, cost_settings)
+        served.cost_settings = cost_settings
         cost = estimate.cost.total
         info = RequestInfo(model=model, request_id=request_id, headers=request.headers, body=payload,
                            cost=estimate.cost)
+    if tenant is not None and tenant.budgeted and ctx.budgets is not None:
+        # Before the queue: the check awaits Redis, and nothing may await between admission and the forward.
+        assert served.estimate is not None  # tenants always have estimates (TENANT_COST)
+        verdict = served.budget = await ctx.budgets.check(tenant, served.estimate.cost.prompt_tokens, model)
+        if verdict.response is not None:
+            ctx.metrics.tenant_shed.labels(tenant.name, model, verdict.reason).inc()
+            served.response = verdict.response
+            return
     pin = await _session_pin(ctx, spec.name, info)
     # Admission (router/admission.py): None unless the policy caps endpoint concurrency. No await may come
     # between `admit` and the forward below, which is what marks the admitted request in flight.
     admission = ctx.admission.pool(spec, model)
     if admission is not None:
         queued_at = ctx.clock() if decision is not None else 0.0
-        shed = await admission.admit(request_id, request.headers, cost)
+        shed = await admission.admit(request_id, request.headers, cost, tenant.name if tenant is not None else "")
         if decision is not None:
             explain_admission(decision, admission.settings, request.headers, ctx.clock() - queued_at, shed)
         if shed is not None:
+            if tenant is not None and served.budget is not None and ctx.budgets is not None:
+                ctx.budgets.refund(tenant, served.budget)  # a full fleet is not the tenant's spending
             served.response = shed
             return
+    if tenant is not None:
+        ctx.metrics.child(ctx.metrics.tenant_admitted, tenant.name, model).inc()
+        if served.estimate is not None and served.estimate.cost.prompt_tokens:
+            ctx.metrics.child(ctx.metrics.tenant_tokens, tenant.name, "prompt").inc(served.estimate.cost.prompt_tokens)
     tried: frozenset[str] = frozenset()  # endpoints that failed this request
     denied: frozenset[str] = frozenset()  # endpoints whose half-open breaker had no probe slot free
     failure: UpstreamFailed | None = None
@@ -297,13 +349,15 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
             if retryable and not ctx.retry_budget.allows(retries.budget_percent, retries.min_per_second):
                 retryable = False  # a failure of this attempt will be answered, not retried
                 ctx.metrics.retry_budget_exhausted.labels(model).inc()
-            explanation = None
+            explanation = served.budget.headers if served.budget is not None and served.budget.headers else None
             if attempt is not None:
                 attempt.outcome = "sent"
                 if decision is not None and decision.requested:
-                    explanation = decision.headers()  # on the response before its first byte, streamed or not
+                    # on the response before its first byte, streamed or not
+                    explanation = {**(explanation or {}), **decision.headers()}
             try:
                 counter = OutputCounter() if served.estimate is not None and served.estimate.learns else None
+                served.counter = counter
                 served.outcome = await ctx.proxy.forward(
                     request, view, body, request_id=request_id, timeouts=spec.timeouts, started=started,
                     retryable=retryable, deadline=deadline, cost=cost, prefill=info.note.prefill_tokens,

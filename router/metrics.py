@@ -215,8 +215,8 @@ class RouterMetrics:
         )
         self.redis_rejected = Counter(
             "fleetroute_redis_rejected_values",
-            "Values read from Redis and dropped, by data (sticky_pin, in_flight, replica, prefix_entry) and reason "
-            "(oversize, malformed, out_of_range, future, wrong_type).",
+            "Values read from Redis and dropped, by data (sticky_pin, in_flight, replica, prefix_entry, budget) and "
+            "reason (oversize, malformed, out_of_range, future, wrong_type).",
             ["data", "reason"],
             registry=r,
         )
@@ -339,6 +339,67 @@ class RouterMetrics:
             "Time requests waited in an admission queue before being admitted (only those that had to wait).",
             ["model", "priority"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        # Tenants (router/tenants.py, router/fair_queue.py, router/budgets.py): only with a `tenancy:` block. The
+        # tenant label holds names from the configuration only, never a client's string.
+        self.tenant_admitted = Counter(
+            "fleetroute_tenant_admitted",
+            "Requests of a tenant let on to routing: past its budgets and, for capped pools, admission.",
+            ["tenant", "model"],
+            registry=r,
+        )
+        self.tenant_shed = Counter(
+            "fleetroute_tenant_shed",
+            "Requests of a tenant refused before routing, by reason: requests or tokens (its budget per minute "
+            "was spent), too_large (its prompt alone exceeds its tokens per minute), budget_unavailable (Redis "
+            "unreachable with budgetFailMode: closed), and the admission reasons deadline, queue_full, evicted.",
+            ["tenant", "model", "reason"],
+            registry=r,
+        )
+        self.tenant_queue_depth = Gauge(
+            "fleetroute_tenant_queue_depth",
+            "Requests of a tenant waiting in a model's admission queue.",
+            ["tenant", "model"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.tenant_wait = Histogram(
+            "fleetroute_tenant_queue_wait_seconds",
+            "Time a tenant's requests waited in an admission queue before being admitted (only those that waited).",
+            ["tenant", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "fleetroute_tenant_tokens",
+            "Tokens of a tenant's requests, by kind: prompt (estimated when the request was let on: what its "
+            "token budget is charged) and completion (counted from the answer; a cut stream counts the tokens it "
+            "carried).",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_budget_limit = Gauge(
+            "fleetroute_tenant_budget_limit",
+            "A tenant's budget per minute, by kind (requests, tokens), as configured.",
+            ["tenant", "kind"],
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.tenant_budget_remaining = Gauge(
+            "fleetroute_tenant_budget_remaining",
+            "What a tenant's budget had left over the last minute at this process's latest check, by kind "
+            "(requests, tokens); shared by all replicas through Redis.",
+            ["tenant", "kind"],
+            multiprocess_mode="mostrecent",
+            registry=r,
+        )
+        self.budget_errors = Counter(
+            "fleetroute_tenant_budget_errors",
+            "Budget operations that could not reach Redis (or got an answer that was no budget), by what became of "
+            "them: allowed (a check, let through: budgetFailMode open), refused (a check, answered 503: closed), "
+            "charge_lost (completion tokens or a refund not recorded).",
+            ["outcome"],
             registry=r,
         )
         # Request cost prediction (router/cost.py): only policies that estimate costs.

@@ -68,6 +68,11 @@ class OutputCounter:
         self._prev = self._last
         self._last = chunk
 
+    def events(self) -> int:
+        """The events streamed so far, for an answer cut short (no `finish`): about its tokens, counting the
+        role announcement and `[DONE]` if they came. 0 for a body that is not an event stream."""
+        return self.newlines // 2 if self._head.startswith(b"data:") else 0
+
     def finish(self, *, event_stream: bool) -> OutputCount:
         last = self._last
         tail = (self._prev[-TAIL_BYTES:] + last) if len(last) < TAIL_BYTES else last[-TAIL_BYTES:]

@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # parsed by their own modules, which build on this one's fiel
     from router.auth import AuthSettings
     from router.control import ControlSettings
     from router.explain import ExplainSettings
+    from router.tenants import TenancySettings
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_ADMIN_CONNECTIONS = 64  # kubelet probes and a few Prometheus scrapers need a handful
@@ -214,6 +215,7 @@ class Settings:
     discovery: DiscoverySettings = DiscoverySettings()
     control: ControlSettings | None = None  # router.control: RoutingPolicy resources; None: file policies only
     explain: ExplainSettings | None = None  # router.explain: sampling and recent decisions; None: the defaults
+    tenancy: TenancySettings | None = None  # router.tenants: tenants, fair sharing, budgets; None: no tenants
 
 
 class Fields:
@@ -858,9 +860,17 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     workers = top.integer("workers", 1, minimum=1, maximum=256)
     shutdown_grace = top.duration("shutdownGrace", Settings.shutdown_grace)
     drain_connections = _drain_connections(top, shutdown_grace)
+    from router.tenants import DEFAULT_TENANT, parse_tenancy  # here, not on top: it builds on this module
+
+    tenancy = parse_tenancy(top.sub("tenancy")) if top.get("tenancy") is not None else None
+    if tenancy is not None and tenancy.budgets and not redis.enabled:
+        budgeted = next(t.name for t in tenancy.tenants if t.budgeted)
+        raise ConfigError("tenancy.tenants", f"tenant {budgeted!r} has a budget, and budgets need redis (they are "
+                                             "shared between router replicas through it): set redis.url, or leave "
+                                             "requestsPerMinute and tokensPerMinute out")
     from router.auth import parse_auth  # here, not on top: router.auth builds on this module
 
-    auth = parse_auth(top)
+    auth = parse_auth(top, tenancy.names() if tenancy is not None else (DEFAULT_TENANT,))
     from router.control import parse_control  # here, not on top: router.control builds on this module
 
     control = parse_control(top)
@@ -887,6 +897,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         discovery=discovery,
         control=control,
         explain=explain,
+        tenancy=tenancy,
     )
 
 

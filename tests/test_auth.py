@@ -84,7 +84,7 @@ def test_without_auth_config_nothing_is_protected() -> None:
         ({"apiKeysEnv": "FLEET_KEYS"}, {"FLEET_KEYS": " , \n"}, "$FLEET_KEYS: contains no API keys"),
         ({"apiKeysEnv": "FLEET-KEYS"}, {}, "auth.apiKeysEnv: must be an environment variable name"),
         ({"apiKeysEnv": "FLEET_KEYS"}, {"FLEET_KEYS": "good-key, bad key"},
-         "$FLEET_KEYS: key 2 is followed by something other than a flag (a key may be followed by: explain)"),
+         "$FLEET_KEYS: key 2 is followed by something other than a flag (a key may be followed by: explain, tenant=<name>)"),
         ({"apiKeysEnv": "FLEET_KEYS"}, {"FLEET_KEYS": "good-key, bad\u00e9key"},
          "$FLEET_KEYS: key 2 contains spaces or non-ASCII characters"),
         ({"upstreamApiKeyEnv": "ENGINE_KEY"}, {}, "auth.upstreamApiKeyEnv: environment variable ENGINE_KEY is not set"),

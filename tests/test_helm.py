@@ -806,3 +806,42 @@ def test_trusted_proxies_reach_the_router(helm, tmp_path, monkeypatch):
     # By default nobody is trusted: the routers write the forwarding headers themselves.
     assert _parse_as_the_router_pod([d for d in yaml.safe_load_all(_template(helm)) if d], tmp_path / "d",
                                     monkeypatch).listen.trusted_proxies == ()
+
+
+def test_tenants_reach_the_router_with_their_keys(helm, tmp_path, monkeypatch):
+    """router.tenancy becomes the router's `tenancy:` block, and router.apiKeys.keys may name a key's tenant."""
+    from router import auth
+
+    objs = [d for d in yaml.safe_load_all(_template(
+        helm, "--set", "router.apiKeys.keys={sk-acme-1 tenant=acme,sk-ops-2 explain tenant=ops,sk-anyone-3}",
+        "--set", "router.tenancy.tenants[0].name=acme,router.tenancy.tenants[0].weight=3",
+        "--set", "router.tenancy.tenants[0].requestsPerMinute=600,router.tenancy.tenants[1].name=ops",
+        "--set", "router.tenancy.budgetFailMode=closed")) if d]
+    settings = _parse_as_the_router_pod(objs, tmp_path, monkeypatch)
+    tenancy = settings.tenancy
+    assert tenancy is not None and tenancy.names() == ("default", "acme", "ops")
+    assert tenancy.tenant("acme").weight == 3 and tenancy.tenant("acme").requests_per_minute == 600
+    assert tenancy.budget_fail_mode == "closed" and tenancy.fairness
+    tenants = dict(zip(settings.auth.api_key_digests, settings.auth.api_key_tenants, strict=True))
+    assert [tenants[auth._digest(k)] for k in ("sk-acme-1", "sk-ops-2", "sk-anyone-3")] == ["acme", "ops", "default"]
+    # By default there are no tenants.
+    assert _parse_as_the_router_pod([d for d in yaml.safe_load_all(_template(helm)) if d], tmp_path / "d",
+                                    monkeypatch).tenancy is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "redis.enabled=false,router.tenancy.tenants[0].name=acme,router.tenancy.tenants[0].tokensPerMinute=9"],
+         "router.tenancy.tenants[0] (acme): budgets (requestsPerMinute, tokensPerMinute) are shared between the routers "
+         "through Redis"),
+        (["--set", "router.tenancy.tenants[0].name=Acme Corp"], "at '/router/tenancy/tenants/0/name'"),
+        (["--set", "router.tenancy.budgetFailMode=sometimes"], "at '/router/tenancy/budgetFailMode'"),
+        (["--set", "router.tenancy.tenant=x"], "tenant"),
+        (["--set", "router.apiKeys.keys={sk-a team=acme}"], "at '/router/apiKeys/keys/0'"),
+    ],
+    ids=["budgets-without-redis", "bad-name", "bad-fail-mode", "unknown-key", "bad-key-flag"],
+)
+def test_bad_tenancy_values_are_rejected_with_a_clear_message(helm, args, message):
+    result = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args, check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]

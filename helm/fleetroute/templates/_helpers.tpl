@@ -279,6 +279,9 @@ watch the release namespace's RoutingPolicies, within the delegation the values 
 {{- if .Values.router.apiKeys.enabled -}}
 {{- $_ := set $cfg "auth" (dict "apiKeysFile" (include "fleetroute.apiKeysFile" .)) -}}
 {{- end -}}
+{{- with .Values.router.tenancy -}}
+{{- $_ := set $cfg "tenancy" (deepCopy .) -}}
+{{- end -}}
 {{- if $services -}}
 {{- $_ := set $cfg "discovery" (dict "kubernetes" (dict
       "services" $services
