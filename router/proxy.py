@@ -99,8 +99,6 @@ class UpstreamRescued(UpstreamFailed):
     raised (the caller sends it elsewhere, or answers)."""
 
 
-
-
 @dataclass
 class Outcome:
     response: web.StreamResponse
