@@ -46,6 +46,7 @@ from router.prefix_sharing import PrefixSharing
 from router.prefix_upkeep import PrefixUpkeep, run_upkeep
 from router.proxy import Proxy
 from router.redis_client import connect as connect_redis
+from router.rescue import release_excluded, run_stall_checks
 from router.settings import Settings
 from router.shared_loads import SharedLoads, replica_id
 from router.status.page import add_status_page
@@ -85,11 +86,14 @@ def build_context(
     balancer.on_rebuild = admission.rebuilt  # endpoints resumed, joined or recovered: maybe more slots
     decisions = DecisionLog(settings.explain or ExplainSettings(), metrics,
                             permission=auth.explain_permission(settings.auth))
-    return RouterContext(
+    ctx = RouterContext(
         settings=settings, metrics=metrics, loads=loads, balancer=balancer, registry=registry, admission=admission,
         decisions=decisions, clock=clock, rng=rng, forwarding=Forwarding(settings.listen.trusted_proxies),
         budget_clock=budget_clock,
     )
+    # An endpoint ejected, failing its health checks or without its GPU: the requests waiting there go elsewhere.
+    balancer.on_excluded = lambda policy, endpoint, reason: release_excluded(ctx, policy, endpoint, reason)
+    return ctx
 
 
 async def _upstream(app: web.Application) -> AsyncIterator[None]:
@@ -108,11 +112,12 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
     )
     ctx.proxy = Proxy(session=session, loads=ctx.loads, metrics=ctx.metrics,
-                      credentials=auth.upstream_credentials(ctx.settings.auth), forwarding=ctx.forwarding)
+                      credentials=auth.upstream_credentials(ctx.settings.auth), forwarding=ctx.forwarding,
+                      stalls=ctx.stalls)
     ctx.http = session
     telemetry = ctx.settings.telemetry
     sync_health_checks(ctx)
-    tasks: list[asyncio.Task[None]] = []
+    tasks: list[asyncio.Task[None]] = [asyncio.create_task(run_stall_checks(ctx), name="stall-checks")]
     redis_store = None
     if telemetry.enabled:
         wake = asyncio.Event()

@@ -57,9 +57,12 @@ class Balancer:
         # Health state per policy (its settings are per policy); GPU faults are per endpoint, shared.
         self.gpu_health = GpuHealth(stale_after=stale_after)
         self.health: dict[str, PoolHealth] = {
-            spec.name: PoolHealth(spec.name, spec.health, metrics, self.gpu_health)
+            spec.name: PoolHealth(spec.name, spec.health, metrics, self.gpu_health, self._excluded)
             for spec in (*self._policies, self._fallback)
         }
+        # Told (policy, endpoint, reason) when a rebuild newly excludes an endpoint for a reason that dooms the
+        # requests waiting there (router/health/pool.py RELEASING): the router takes them off (router/rescue.py).
+        self.on_excluded: Callable[[str, str, str], None] | None = None
         self._metrics = metrics
         self.loads = loads
         self._stale_after = stale_after
@@ -153,7 +156,8 @@ class Balancer:
             previous = old.get(spec.name, self._fallback if spec is self._fallback else None)
             pool = self.health.get(spec.name)
             same = pool is not None and previous is not None and previous.health == spec.health
-            health[spec.name] = pool if same else PoolHealth(spec.name, spec.health, self._metrics, self.gpu_health)
+            health[spec.name] = pool if same else PoolHealth(spec.name, spec.health, self._metrics, self.gpu_health,
+                                                             self._excluded)
         self.health = health
         current = {spec.name: spec for spec in self._policies}
         self._pool_state = {
@@ -165,6 +169,9 @@ class Balancer:
 
     def endpoints(self) -> list[Endpoint]:
         return list(self._endpoints.values())
+
+    def endpoint(self, endpoint_id: str) -> Endpoint | None:
+        return self._endpoints.get(endpoint_id)
 
     def _state(self, endpoint_id: str) -> EndpointState:
         operator = self._states.get(endpoint_id, EndpointState.SERVING)
@@ -319,6 +326,36 @@ class Balancer:
             return False
         left = sum(1 for v in self._pools.get(model, ()) if v.id != endpoint_id and v.id not in self._held_out)
         return left > 0 and left * 100 >= health.settings.panic_threshold * len(self._pool_ids.get(model, ()))
+
+    def _excluded(self, policy: str, endpoint_id: str, reason: str) -> None:
+        if self.on_excluded is not None:
+            self.on_excluded(policy, endpoint_id, reason)
+
+    def eject(self, endpoint_id: str, reason: str) -> list[str]:
+        """Eject the endpoint now from every policy's pool it is in (a verdict reached outside the request path:
+        a stalled engine), each within its pool's `maxEjectionPercent`. Returns the policies that ejected it."""
+        endpoint = self._endpoints.get(endpoint_id)
+        if endpoint is None:
+            return []
+        now = self._clock()
+        ejected = []
+        for name, pool in self.health.items():
+            models = [m for m in endpoint.models if self.policy_for(m).name == name]
+            if not models:
+                continue
+            pool_ids = frozenset().union(*(self._pool_ids.get(m, frozenset()) for m in models))
+            if pool.eject(endpoint_id, reason, now, pool_ids | {endpoint_id}):
+                ejected.append(name)
+        if ejected:
+            self.rebuild()  # the next pick already leaves it out
+        return ejected
+
+    def peers(self, endpoint_id: str) -> frozenset[str]:
+        """The serving endpoints that share a model with this one (itself included)."""
+        endpoint = self._endpoints.get(endpoint_id)
+        if endpoint is None:
+            return frozenset()
+        return frozenset().union(*(self._pool_ids.get(m, frozenset()) for m in endpoint.models))
 
     def release_probe(self, spec: PolicySpec, endpoint_id: str) -> None:
         pool = self.health.get(spec.name)

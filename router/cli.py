@@ -112,6 +112,11 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
                                                default), priority <= maxPriority, and the file's
                                                policies matched first unless overrideFilePolicies;
                                                others are refused in their status (docs/kubernetes.md)
+  stallDetection: {enabled: true, minSilence: 5s, silenceFactor: 4, probeTimeout: 3s}
+                                               wedged engines: requests outstanding, no head or chunk for
+                                               max(minSilence, silenceFactor x p99 time to first byte),
+                                               and a 1-token probe fails: ejected, waiting requests sent
+                                               elsewhere, started streams ended with an error event
   workers: 1                                   processes sharing the ports (use one per core)
   shutdownGrace: 30s                           time for in-flight requests on SIGTERM
   drainConnections: 15s                        of which open client connections are still served, each

@@ -25,6 +25,7 @@ from router.cost import CostModel
 from router.departures import EndpointStateOwner
 from router.explain import DecisionLog
 from router.forwarding import Forwarding
+from router.health.stall import StallDetector
 from router.loads import LoadTracker
 from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
@@ -68,6 +69,8 @@ class RouterContext:
     discovery: KubernetesDiscovery | None = None  # while Kubernetes discovery runs (app start-up to shutdown)
     control: RoutingPolicyController | None = None  # while RoutingPolicies are watched (router.control)
     retry_budget: RetryBudget = field(init=False)
+    stalls: StallDetector = field(init=False)  # requests in flight per endpoint, their progress (router/rescue.py)
+    stall_task: asyncio.Task[None] | None = None  # the stall checks (app start-up to shutdown)
     status_history: StatusHistory = field(init=False)  # the status page's recent past (router/status/history.py)
     access_log: AccessLog = field(default_factory=AccessLog)
     forwarding: Forwarding = field(default_factory=Forwarding)  # whose X-Forwarded-* to believe (listen.trustedProxies)
@@ -82,6 +85,7 @@ class RouterContext:
 
     def __post_init__(self) -> None:
         self.retry_budget = RetryBudget(self.clock)
+        self.stalls = StallDetector(self.clock)
         self.status_history = StatusHistory(self.clock)
         self.balancer.departures.owners = self.endpoint_state_owners
 
@@ -96,7 +100,8 @@ class RouterContext:
     def endpoint_state_owners(self) -> list[EndpointStateOwner]:
         """Everything that keeps state per endpoint and must forget an endpoint that leaves, told at once
         (router/departures.py; the load tracker and the metrics are told once nothing is in flight there)."""
-        owners: list[EndpointStateOwner] = [self.balancer, self.admission, self.status_history, *self.sticky.values()]
+        owners: list[EndpointStateOwner] = [self.balancer, self.admission, self.status_history, self.stalls,
+                                            *self.sticky.values()]
         for owner in (self.telemetry_feed, self.telemetry_collection, self.prefix_upkeep):
             if owner is not None:
                 owners.append(owner)

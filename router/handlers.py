@@ -36,7 +36,7 @@ from router.model import EndpointState, EndpointView, RequestInfo
 from router.output_tokens import OutputCounter
 from router.policies.base import MAX_LISTED, DecisionTrace
 from router.policies.consistent_hash import load_bound
-from router.proxy import Outcome, UpstreamFailed
+from router.proxy import Outcome, UpstreamFailed, UpstreamRescued
 from router.request_body import BodyRejected, expect_handler, read_body
 from router.sticky import StickyTable
 from router.tenants import Tenant
@@ -362,10 +362,16 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
                     request, view, body, request_id=request_id, timeouts=spec.timeouts, started=started,
                     retryable=retryable, deadline=deadline, cost=cost, prefill=info.note.prefill_tokens,
                     streamed=payload.get("stream") is True, counter=counter, extra_headers=explanation,
+                    policy=spec.name,
                 )
             except UpstreamFailed as exc:
-                balancer.report_outcome(spec, model, view.id, False, exc.kind, probe=probe)
-                reported = True
+                if isinstance(exc, UpstreamRescued):
+                    # Taken off an endpoint already judged (stalled, ejected, unhealthy): its health has its
+                    # verdict, and this request goes elsewhere like any retry (attempts, retry budget).
+                    ctx.metrics.child(ctx.metrics.rescued, model, exc.kind).inc()
+                else:
+                    balancer.report_outcome(spec, model, view.id, False, exc.kind, probe=probe)
+                    reported = True
                 tried |= {view.id}
                 failure = exc
                 if attempt is not None:
@@ -395,15 +401,15 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
 # Below this much time left before `timeouts.total`, no new attempt is started.
 MIN_ATTEMPT_SECONDS = 0.05
 # Outcomes that count against an endpoint (a client disconnect does not).
-FAILURE_KINDS = frozenset({"timeout", "idle_timeout", "total_timeout", "disconnect", "invalid_response"})
+FAILURE_KINDS = frozenset({"timeout", "idle_timeout", "total_timeout", "disconnect", "invalid_response", "stalled"})
 
 
 def _failed_response(model: str, failure: UpstreamFailed, tried: frozenset[str]) -> web.Response:
     """Every endpoint tried failed before answering (or no retry was left): say so, with the last reason."""
     where = f"{len(tried)} endpoint(s) tried for model `{model}`; last: {failure}"
-    if failure.kind == "timeout":
+    if failure.kind in ("timeout", "stalled"):
         return error_response(504, f"no answer in time: {where}", code="upstream_timeout")
-    if failure.kind == "http_5xx":
+    if failure.kind in ("http_5xx", "ejected", "health_check", "gpu_lost"):  # the last three: taken off (rescue)
         return error_response(502, f"upstream error: {where}", code="upstream_error")
     return error_response(502, f"could not connect: {where}", code="upstream_unreachable")
 

@@ -128,7 +128,8 @@ class RouterMetrics:
         self.upstream_errors = Counter(
             "fleetroute_upstream_errors",
             "Failures talking to endpoints, by kind: connect, connect_timeout, timeout (no response headers within "
-            "firstByte), http_5xx, total_timeout, "
+            "firstByte), http_5xx, total_timeout, stalled (the endpoint was found stalled while the request "
+            "waited or streamed), "
             "idle_timeout (a stream stalled), disconnect (endpoint closed mid-response), invalid_response (its "
             "response was not valid HTTP: an oversized header, a malformed chunk), client_disconnect.",
             ["endpoint", "kind"],
@@ -259,6 +260,28 @@ class RouterMetrics:
             ["policy", "endpoint", "reason"],
             registry=r,
         )
+        self.stalls = Counter(
+            "fleetroute_endpoint_stalls",
+            "Endpoints found stalled: requests outstanding, no response head or body chunk for longer than the "
+            "stall threshold, and the confirming probe failed. Each is ejected (reason stalled) and its requests "
+            "released.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.stall_probes = Counter(
+            "fleetroute_stall_probes",
+            "Probes (a 1-token completion) sent to an endpoint silent past its stall threshold, by result: pass "
+            "(it answered: busy, not stalled) or fail.",
+            ["endpoint", "result"],
+            registry=r,
+        )
+        self.rescued = Counter(
+            "fleetroute_rescued_requests",
+            "Requests taken off their endpoint before any byte reached the client, to be sent to another, by "
+            "reason: stalled, or the endpoint left the pool while they waited (ejected, health_check, gpu_lost).",
+            ["model", "reason"],
+            registry=r,
+        )
         self.breaker_transitions = Counter(
             "fleetroute_breaker_transitions",
             "Circuit breaker state changes, by the state entered (open, half_open, closed).",
@@ -288,7 +311,7 @@ class RouterMetrics:
         self.background_errors = Counter(
             "fleetroute_background_errors",
             "Unexpected errors in a step of a background loop (telemetry, telemetry_pubsub, housekeeping, "
-            "health_checks, prefix_upkeep); the loop goes on. Any increase is a bug worth reporting.",
+            "health_checks, prefix_upkeep, stall_checks); the loop goes on. Any increase is a bug worth reporting.",
             ["task"],
             registry=r,
         )

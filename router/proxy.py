@@ -10,6 +10,14 @@
 - With an `OutputCounter` (requests with a cost estimate), every chunk is also shown to it, unchanged, so
   the answer's output tokens are known at the end (router/output_tokens.py).
 - Timeouts: `connect`; `firstByte` until the response headers; `idle` between two body chunks.
+- The response head goes to the client with the answer's first body chunk, not before: until then nothing has
+  reached the client, so a stream whose engine sent its head and then nothing (vLLM sends a stream's head at
+  once) can still be sent elsewhere, and a failure there is answered with a clean error status.
+- Every request is a `Waiter` of the stall detector (router/health/stall.py) while it is in flight: each
+  response head and chunk is progress, the first chunk a time-to-first-byte sample. When the router takes
+  the request off its endpoint (the endpoint stalled, or left the pool while the request waited: router/
+  rescue.py), the timer of the current wait expires at once: a request that sent nothing to its client raises
+  `UpstreamRescued` (the handler sends it elsewhere), a started stream ends with an error event.
 - If the client goes away mid-stream (aiohttp cancels the handler, or a write fails), the upstream
   connection is closed, which makes vLLM abort the request and free its batch slot and KV cache.
 - If the engine's connection ends mid-body (it closed, or sent bytes that are not HTTP, such as a malformed
@@ -39,6 +47,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from router.errors import clip, error_response
 from router.explain import EXPLAIN_HEADER
 from router.forwarding import Forwarding
+from router.health.stall import StallDetector, Waiter
 from router.loads import LoadTracker
 from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
@@ -84,6 +93,12 @@ class UpstreamUnreachable(UpstreamFailed):
     """The connection could not be made: the request never left. Always raised (the caller decides)."""
 
 
+class UpstreamRescued(UpstreamFailed):
+    """The router took the request off its endpoint before any byte reached the client; `kind` says why: the
+    endpoint stalled, or was ejected, failed its health checks or lost its GPU while the request waited. Always
+    raised (the caller sends it elsewhere, or answers)."""
+
+
 @dataclass
 class Outcome:
     response: web.StreamResponse
@@ -122,8 +137,10 @@ class Proxy:
     def __init__(
         self, *, session: aiohttp.ClientSession, loads: LoadTracker, metrics: RouterMetrics,
         credentials: Callable[[CIMultiDict[str]], None] | None = None, forwarding: Forwarding | None = None,
+        stalls: StallDetector | None = None,
     ) -> None:
         self._session = session
+        self._stalls = stalls or StallDetector(time.monotonic)
         self._credentials = credentials
         self._forwarding = forwarding or Forwarding()
         self._loads = loads
@@ -147,6 +164,7 @@ class Proxy:
         streamed: bool = False,
         counter: OutputCounter | None = None,
         extra_headers: Mapping[str, str] | None = None,
+        policy: str = "",
     ) -> Outcome:
         """Send `body` to `view` and stream the answer to the client.
 
@@ -157,15 +175,19 @@ class Proxy:
         expects the endpoint to compute (pending until the first byte, which times the endpoint when `streamed`);
         `counter` sees every chunk.
         `extra_headers` go on the streamed response, before its first byte (a routing explanation).
+        Raises UpstreamRescued when the router took the request off the endpoint before any byte reached the
+        client (`policy` is the request's, for releases that concern one policy's pool).
         """
         loop = asyncio.get_running_loop()
         endpoint_id = view.id
         url = view.endpoint.url + request.path_qs
         errors = self._metrics.upstream_errors
         header_wait = timeouts.first_byte if deadline is None else min(timeouts.first_byte, deadline - loop.time())
-        with self._loads.track(endpoint_id, cost, prefill, streamed=streamed) as booked:
+        with self._loads.track(endpoint_id, cost, prefill, streamed=streamed) as booked, \
+                self._stalls.track(endpoint_id, policy) as waiter:
             try:
-                async with asyncio.timeout(max(header_wait, 0.0)):
+                async with asyncio.timeout(max(header_wait, 0.0)) as head_timer:
+                    waiter.arm(head_timer)
                     upstream = await self._session.request(
                         request.method,
                         url,
@@ -188,6 +210,8 @@ class Proxy:
                 raise UpstreamUnreachable(
                     "connect_timeout", f"no connection to endpoint {endpoint_id} within {timeouts.connect:g}s") from exc
             except (TimeoutError, aiohttp.ServerTimeoutError):
+                if waiter.released is not None:
+                    raise self._rescued(endpoint_id, waiter.released) from None
                 errors.labels(endpoint_id, "timeout").inc()
                 message = f"endpoint {endpoint_id} did not answer within {header_wait:g}s"
                 if retryable:
@@ -201,13 +225,16 @@ class Proxy:
                 what = "sent an invalid response" if kind == "invalid_response" else "closed the connection"
                 return Outcome(error_response(502, f"endpoint {endpoint_id} {what}", code="upstream_error"), 502,
                                error=kind)
+            finally:
+                waiter.arm(None)
+            waiter.progress()
             if upstream.status >= 500:
                 errors.labels(endpoint_id, "http_5xx").inc()
                 if retryable:
                     upstream.close()
                     raise UpstreamFailed("http_5xx", f"endpoint {endpoint_id} answered {upstream.status}")
             return await self._stream(request, upstream, endpoint_id, request_id, timeouts, started, loop, deadline,
-                                      counter, booked, extra_headers)
+                                      counter, booked, waiter, extra_headers)
 
     async def _stream(
         self,
@@ -221,6 +248,7 @@ class Proxy:
         deadline: float | None,
         counter: OutputCounter | None,
         booked: Prefill | None,
+        waiter: Waiter,
         extra_headers: Mapping[str, str] | None = None,
     ) -> Outcome:
         # The engine's reason phrase is not passed on: it means nothing (RFC 9112 section 4) and it is bytes
@@ -238,31 +266,49 @@ class Proxy:
         clean = False
         watch = self._losses.watch(upstream)
         try:
-            await response.prepare(request)
             content = upstream.content
             async with asyncio.timeout(None) as idle:
+                waiter.arm(idle)
                 while True:
                     wake = loop.time() + timeouts.idle
                     idle.reschedule(wake if deadline is None else min(wake, deadline))
                     chunk = await content.readany()
+                    if waiter.released is not None:  # released as this chunk arrived: its timer was about to fire
+                        raise TimeoutError
                     if not chunk:
                         break
                     # A slow client is back-pressure, not an idle engine; only the total deadline still applies.
                     idle.reschedule(deadline)
                     if outcome.ttfb is None:
                         outcome.ttfb = time.perf_counter() - started
+                        waiter.first_byte()
                         if booked is not None:  # only a stream's first token times prefill; an error is at once
                             self._loads.prefill_done(
                                 booked, timed=upstream.status < 400 and upstream.content_type == "text/event-stream")
+                        # The head goes with the first chunk: until now the request could still go elsewhere.
+                        await response.prepare(request)
+                        waiter.streaming = True
+                    else:
+                        waiter.progress()
                     outcome.chunks += 1
                     if counter is not None:
                         counter.feed(chunk)
                     await response.write(chunk)
+                waiter.arm(None)
+            if not response.prepared:  # an empty body
+                await response.prepare(request)
             await response.write_eof()
             clean = True
             if counter is not None:
                 outcome.output = counter.finish(event_stream=upstream.content_type == "text/event-stream")
         except TimeoutError:
+            if waiter.released is not None:
+                if not response.prepared:
+                    raise self._rescued(endpoint_id, waiter.released) from None
+                outcome.error = "stalled"  # a started stream is released only when its endpoint stalled
+                errors.labels(endpoint_id, "stalled").inc()
+                await _end_early(request, response, endpoint_id, "the endpoint stopped making progress")
+                return outcome
             total = deadline is not None and loop.time() >= deadline
             outcome.error = "total_timeout" if total else "idle_timeout"
             errors.labels(endpoint_id, outcome.error).inc()
@@ -271,7 +317,11 @@ class Proxy:
                 extra={"endpoint": endpoint_id, "idle_timeout_s": timeouts.idle, "kind": outcome.error},
             )
             what = "the request's total time ran out" if total else f"no data for {timeouts.idle:g}s"
-            await _end_early(request, response, endpoint_id, what)
+            if not response.prepared:  # nothing reached the client: a clean error status instead
+                _unsent(outcome, 504, f"endpoint {endpoint_id} sent its response head, then {what}",
+                        "upstream_timeout")
+            else:
+                await _end_early(request, response, endpoint_id, what)
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                 HttpProcessingError) as exc:
             # HttpProcessingError: the pure-Python parser's own error for a body that is not HTTP.
@@ -281,7 +331,10 @@ class Proxy:
             self._failed(endpoint_id, outcome.error, cause or exc, mid_response=True)
             what = ("the endpoint sent an invalid response" if outcome.error == "invalid_response"
                     else "the endpoint closed the connection")
-            await _end_early(request, response, endpoint_id, what)
+            if not response.prepared:  # nothing reached the client: a clean error status instead
+                _unsent(outcome, 502, f"endpoint {endpoint_id}: {what} before the response body", "upstream_error")
+            else:
+                await _end_early(request, response, endpoint_id, what)
         except (ConnectionResetError, asyncio.CancelledError):
             # The client went away. Closing (not releasing) the upstream connection tells the engine to
             # abort the generation instead of computing tokens nobody will read.
@@ -297,6 +350,13 @@ class Proxy:
             else:
                 upstream.close()
         return outcome
+
+    def _rescued(self, endpoint_id: str, reason: str) -> UpstreamRescued:
+        if reason == "stalled":
+            self._metrics.upstream_errors.labels(endpoint_id, "stalled").inc()
+            return UpstreamRescued(reason, f"endpoint {endpoint_id} stopped making progress (stalled)")
+        return UpstreamRescued(reason, f"endpoint {endpoint_id} was taken out of rotation ({reason}) while the "
+                                       "request waited")
 
     def _failed(self, endpoint_id: str, kind: str, exc: BaseException, *, mid_response: bool = False) -> None:
         """The log line for a failed endpoint, with what the client is not told (addresses, the engine's bytes,
@@ -363,6 +423,13 @@ class ConnectionLosses:
         content = self.streaming.pop(protocol, None) if protocol is not None else None
         if protocol is not None and content is not None and not content.is_eof():
             content.set_exception(EndpointConnectionLost(protocol.exception()))
+
+
+def _unsent(outcome: Outcome, status: int, message: str, code: str) -> None:
+    """The engine failed after its response head but before any byte reached the client: the client gets the
+    router's own error answer (the failure is still the attempt's: `outcome.error`)."""
+    outcome.response = error_response(status, message, code=code)
+    outcome.status = status
 
 
 async def _end_early(request: web.Request, response: web.StreamResponse, endpoint_id: str, what: str) -> None:

@@ -31,6 +31,7 @@ from router.health.breaker import BreakerSettings
 from router.health.outlier import OutlierSettings
 from router.health.pool import HealthSettings
 from router.health.slow_start import SlowStartSettings
+from router.health.stall import StallSettings
 from router.model import Endpoint
 from router.policies.base import PolicyConfigError
 from router.policies.consistent_hash import HashKey, parse_key
@@ -216,6 +217,9 @@ class Settings:
     control: ControlSettings | None = None  # router.control: RoutingPolicy resources; None: file policies only
     explain: ExplainSettings | None = None  # router.explain: sampling and recent decisions; None: the defaults
     tenancy: TenancySettings | None = None  # router.tenants: tenants, fair sharing, budgets; None: no tenants
+    # Wedged engines (router/health/stall.py, router/rescue.py): for the router, not per policy, because an
+    # engine stalls whichever policy sent it the request.
+    stall: StallSettings = StallSettings()
 
 
 class Fields:
@@ -877,6 +881,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     from router.explain import parse_explain  # here, not on top: router.explain builds on this module
 
     explain = parse_explain(top.sub("explain")) if top.get("explain") is not None else None
+    stall = _stall(top.sub("stallDetection"))
     top.done()
     return Settings(
         listen=listen,
@@ -898,7 +903,20 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         control=control,
         explain=explain,
         tenancy=tenancy,
+        stall=stall,
     )
+
+
+def _stall(f: Fields) -> StallSettings:
+    d = StallSettings()
+    stall = StallSettings(
+        enabled=f.boolean("enabled", d.enabled),
+        min_silence=f.duration("minSilence", d.min_silence),
+        silence_factor=f.number("silenceFactor", d.silence_factor, minimum=1, maximum=1000),
+        probe_timeout=f.duration("probeTimeout", d.probe_timeout),
+    )
+    f.done()
+    return stall
 
 
 def _drain_connections(top: Fields, shutdown_grace: float) -> float:

@@ -5,7 +5,9 @@ It answers `/v1/chat/completions`, `/v1/completions` and `/v1/embeddings` (strea
 page with vLLM's gauge names. Tests steer it through attributes: the load it reports, a status to fail
 with, a gate that holds a stream after its first token (to prove the router does not buffer), a hang
 before headers (timeouts), how many tokens to answer a request with, bytes that break the chunked encoding
-mid-stream, extra response headers, and it records every request and whether a stream's client went away.
+mid-stream, extra response headers, a wedged engine loop (`wedged`: requests get no answer, streams their
+head and then nothing, while `/health` still says 200) or a busy one (`busy`: chat completions wait while a
+probe completion is answered), and it records every request and whether a stream's client went away.
 
 Streams come in two shapes. By default, OpenAI's: the first event carries the role and the first token,
 and an empty `delta: {}` (chat) or `text: ""` (completions) event carries the finish reason. With
@@ -48,6 +50,14 @@ class FakeEngine:
     # (`zz` is no chunk size), as a broken engine or a middlebox mangling the body would send; the connection
     # then stays open, silent.
     malformed_chunk: asyncio.Event | None = None
+    # While this is an Event not yet set, the engine loop is wedged, as vLLM's can be while its HTTP server
+    # still answers /health: a non-streaming request gets no answer (vLLM sends its head with the finished
+    # answer), a stream gets its head (vLLM sends it at once) and then nothing, and a started stream stops
+    # before its next token. Setting the Event (or None) unwedges it.
+    wedged: asyncio.Event | None = None
+    # If set, chat completions wait for it before answering while /v1/completions (the router's probe) answers
+    # at once: an engine busy with long generations that still schedules new work.
+    busy: asyncio.Event | None = None
     response_headers: dict[str, str] = field(default_factory=dict)  # added to every inference response
     requests: list[dict[str, Any]] = field(default_factory=list)
     stream_aborted: asyncio.Event = field(default_factory=asyncio.Event)
@@ -94,6 +104,10 @@ class FakeEngine:
         self.request_received.set()
         if self.hang is not None:
             await self.hang.wait()
+        if not body.get("stream"):
+            await self._unwedged()
+        if self.busy is not None and request.path == "/v1/chat/completions":
+            await self.busy.wait()
         if self.fail_status is not None:
             return web.json_response(
                 {"error": {"message": f"{self.name} failing", "type": "server_error", "code": None}},
@@ -154,6 +168,7 @@ class FakeEngine:
             return await self._vllm_stream(request, resp, body, tokens, chat)
         try:
             for i, tok in enumerate(tokens):
+                await self._unwedged()
                 delta: dict[str, Any] = (
                     {"index": 0, "delta": {"role": "assistant", "content": tok} if i == 0 else {"content": tok},
                      "finish_reason": None}
@@ -213,6 +228,10 @@ class FakeEngine:
             self.stream_aborted.set()
             raise
         return resp
+
+    async def _unwedged(self) -> None:
+        if self.wedged is not None:
+            await self.wedged.wait()
 
     async def _end_stream(self, resp: web.StreamResponse, body: dict[str, Any], tokens: list[str], chat: bool) -> None:
         if (body.get("stream_options") or {}).get("include_usage"):

@@ -79,12 +79,24 @@ class ActiveHealth:
                 if resp.status != 200:
                     return False, f"{s.path} answered {resp.status}"
             if s.probe_request:
-                body = {"model": endpoint.models[0], "prompt": "ping", "max_tokens": 1}
-                async with session.post(endpoint.url + "/v1/completions", json=body, timeout=timeout,
-                                        headers=headers) as resp:
-                    await resp.read()
-                    if resp.status != 200:
-                        return False, f"probe completion answered {resp.status}"
+                status = await probe_completion(session, endpoint, s.timeout, headers)
+                if status != 200:
+                    return False, f"probe completion answered {status}"
         except (TimeoutError, aiohttp.ClientError) as exc:
-            return False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            return False, describe(exc)
         return True, ""
+
+
+async def probe_completion(session: aiohttp.ClientSession, endpoint: Endpoint, timeout: float,
+                           headers: Mapping[str, str] | None = None) -> int:
+    """A 1-token completion (`prompt: "ping"`, the endpoint's first model), which only an engine whose loop runs
+    can answer; returns its status. Raises TimeoutError or aiohttp.ClientError."""
+    body = {"model": endpoint.models[0], "prompt": "ping", "max_tokens": 1}
+    async with session.post(endpoint.url + "/v1/completions", json=body, headers=headers,
+                            timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        await resp.read()
+        return resp.status
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -5,6 +5,9 @@ within `firstByte`) eject the endpoint for `baseEjectionTime x n`, where n count
 `maxEjectionTime`); n decays by one for every `maxEjectionTime` without an ejection. At most
 `maxEjectionPercent` of a pool is ejected at once, so a fleet-wide problem never ejects everything
 (Envoy's outlier detection). A success resets the failure count.
+
+`eject` ejects at once, for a verdict reached elsewhere (a stalled engine: router/health/stall.py), with the
+same ejection times and cap; it acts whether or not `enabled` is set, which governs only counting failures.
 """
 
 from __future__ import annotations
@@ -63,6 +66,18 @@ class OutlierDetector:
         state.consecutive += 1
         if state.consecutive < s.consecutive_failures or state.ejected_until > now:
             return None
+        return self._eject(endpoint_id, state, kind, now, pool_ids)
+
+    def eject(self, endpoint_id: str, reason: str, now: float, pool_ids: frozenset[str]) -> Ejection | None:
+        """Eject now, for `reason`, unless it is ejected already or the pool's cap forbids it."""
+        state = self._state(endpoint_id)
+        if state.ejected_until > now:
+            return None
+        return self._eject(endpoint_id, state, reason, now, pool_ids)
+
+    def _eject(self, endpoint_id: str, state: _State, kind: str, now: float,
+               pool_ids: frozenset[str]) -> Ejection | None:
+        s = self.settings
         # The cap counts the endpoint's own pool (one model's endpoints), not every pool of the policy.
         ejected = sum(1 for eid in pool_ids if eid in self._states and self._states[eid].ejected_until > now)
         if (ejected + 1) * 100 > s.max_ejection_percent * max(len(pool_ids), 1):

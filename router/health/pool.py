@@ -5,23 +5,32 @@ slow start) plus whether the pool is in panic. An endpoint is left out while it 
 GPU is faulty, it is ejected, or its breaker is open. If fewer than `panicThreshold` percent of the pool
 remain, the pool panics and routes to all of its endpoints: sending traffic to suspect endpoints beats
 failing every request (Envoy). `report` takes each request's outcome for the outlier detector and the
-breaker; `acquire` hands out half-open probe slots.
+breaker; `acquire` hands out half-open probe slots; `eject` ejects at once for a verdict reached elsewhere
+(a stalled engine).
+
+When a build finds an endpoint newly out for a reason that dooms the requests waiting on it (`RELEASING`:
+ejected, failing its health checks, a lost GPU), `on_excluded` is told, and the router takes those requests
+off it (router/rescue.py). The other reasons leave them be: an open breaker or a throttling GPU still answers.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from router.health.active import ActiveHealth, ActiveHealthSettings
 from router.health.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from router.health.gpu import GpuHealth
-from router.health.outlier import OutlierDetector, OutlierSettings
+from router.health.outlier import Ejection, OutlierDetector, OutlierSettings
 from router.health.slow_start import SlowStart, SlowStartSettings
 from router.metrics import RouterMetrics
 from router.model import EndpointView
 
 log = logging.getLogger("fleetroute.health")
+
+# Exclusion reasons that release the requests waiting on the endpoint (see the module docstring).
+RELEASING = frozenset({"ejected", "health_check", "gpu_lost"})
 
 
 @dataclass(frozen=True)
@@ -35,8 +44,10 @@ class HealthSettings:
 
 
 class PoolHealth:
-    def __init__(self, policy: str, settings: HealthSettings, metrics: RouterMetrics, gpu: GpuHealth) -> None:
+    def __init__(self, policy: str, settings: HealthSettings, metrics: RouterMetrics, gpu: GpuHealth,
+                 on_excluded: Callable[[str, str, str], None] | None = None) -> None:
         self.policy = policy
+        self.on_excluded = on_excluded  # (policy, endpoint, reason) when a build newly excludes for RELEASING
         self.settings = settings
         self.active = ActiveHealth(settings.active)
         self.outlier = OutlierDetector(settings.outlier)
@@ -86,6 +97,8 @@ class PoolHealth:
                 if reason is not None:
                     self._metrics.excluded.labels(self.policy, view.id, reason).set(1)
                     self._excluded[view.id] = reason
+                    if reason in RELEASING and self.on_excluded is not None:
+                        self.on_excluded(self.policy, view.id, reason)
                 else:
                     self._excluded.pop(view.id, None)
             if self.settings.breaker.enabled:
@@ -140,12 +153,22 @@ class PoolHealth:
             ejection = self.outlier.failure(endpoint_id, kind, now, pool_ids)
             if ejection is not None:
                 changed = True
-                self._metrics.ejections.labels(self.policy, endpoint_id, kind).inc()
-                log.warning("endpoint ejected", extra={"policy": self.policy, "endpoint": endpoint_id,
-                                                       "reason": kind, "ejection_s": ejection.duration})
+                self._ejected(ejection)
         if self.settings.breaker.enabled and self.breaker(endpoint_id).record(ok, now, probe=probe) is not None:
             changed = True  # the rebuild that follows counts and logs the transition
         return changed
+
+    def eject(self, endpoint_id: str, reason: str, now: float, pool_ids: frozenset[str]) -> bool:
+        """Eject the endpoint now (a verdict reached elsewhere), within the pool's cap. True if it was."""
+        ejection = self.outlier.eject(endpoint_id, reason, now, pool_ids)
+        if ejection is not None:
+            self._ejected(ejection)
+        return ejection is not None
+
+    def _ejected(self, ejection: Ejection) -> None:
+        self._metrics.ejections.labels(self.policy, ejection.endpoint_id, ejection.reason).inc()
+        log.warning("endpoint ejected", extra={"policy": self.policy, "endpoint": ejection.endpoint_id,
+                                               "reason": ejection.reason, "ejection_s": ejection.duration})
 
     def breaker_states(self, now: float) -> dict[str, str]:
         return {eid: b.current(now).value for eid, b in self._breakers.items()}
