@@ -19,9 +19,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 import yaml
+from redis.asyncio.connection import parse_url as parse_redis_url
 
 from router import presets
 from router.cost import CHARS_PER_TOKEN_RANGE, CostSettings
@@ -602,14 +603,55 @@ def _redis(top: Fields) -> RedisSettings:
         if password is not None or username is not None or cluster:
             raise ConfigError(sub.path, "has connection options but no url or sentinel (Redis is off)")
         return RedisSettings()
-    parts = urlsplit(url) if isinstance(url, str) else None
-    if parts is None or parts.scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(where, f"must be a redis://, rediss:// or unix:// URL, got {_show(url)}")
+    parts = _redis_url(where, url)
     if password is not None and parts.password:
         raise ConfigError(where, "carries a password and redis.passwordEnv/passwordFile gives another: keep one")
-    if cluster and (parts.scheme == "unix" or parts.path not in ("", "/", "/0")):
+    if cluster and (parts.scheme == "unix" or _redis_db(where, parts) != 0):
         raise ConfigError(where, "must be redis:// or rediss:// with database 0 for a cluster")
     return RedisSettings(url=url, cluster=cluster, username=username, password=password, password_source=source)
+
+
+MAX_REDIS_DB = 1023  # as sentinel.db: far above Redis's default 16 databases, and a bound on a typo
+
+
+def _redis_url(where: str, url: Any) -> SplitResult:
+    """A Redis URL checked as redis-py will read it, so that a bad port or database is a config error naming
+    the field, not a traceback when the client is made (a bad port), a failure at the first command (`/-1`)
+    or silently database 0 (`/x`)."""
+    try:
+        parts = urlsplit(url) if isinstance(url, str) else None
+    except ValueError:  # an unclosed IPv6 bracket
+        parts = None
+    if parts is None or parts.scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(where, f"must be a redis://, rediss:// or unix:// URL, got {_show(url)}")
+    try:
+        port = parts.port
+    except ValueError:  # not digits, or above 65535
+        port = 0
+    if port == 0:
+        raise ConfigError(where, f"has an invalid port (want 1 to 65535): {_show(url)}")
+    _redis_db(where, parts)
+    try:  # the query's other connection options (socket_timeout=...), as redis-py parses them
+        parse_redis_url(url)
+    except ValueError as exc:  # its messages name the option, never the URL
+        raise ConfigError(where, f"has an invalid query option: {str(exc).rstrip('.')}") from None
+    return parts
+
+
+def _redis_db(where: str, parts: SplitResult) -> int:
+    """The database a Redis URL selects: `?db=N`, else the path's `/N` (redis:// and rediss://), else 0."""
+    query = parse_qs(parts.query)
+    if "db" in query:
+        raw, what = query["db"][0], "the db query parameter"
+    elif parts.scheme != "unix":
+        raw, what = unquote(parts.path).replace("/", ""), "the database (the URL's path)"
+    else:
+        return 0
+    if raw == "":
+        return 0
+    if not raw.isascii() or not raw.isdigit() or int(raw) > MAX_REDIS_DB:
+        raise ConfigError(where, f"{what} must be an integer from 0 to {MAX_REDIS_DB}, got {raw!r}")
+    return int(raw)
 
 
 def parse_redis(block: Any) -> RedisSettings:
@@ -630,7 +672,7 @@ def _sentinel(f: Fields) -> SentinelSettings:
         raise ConfigError(f.at("addresses"), "must list at least one sentinel as host:port")
     if len(addresses) > 32:
         raise ConfigError(f.at("addresses"), f"lists {len(addresses)} sentinels, at most 32 are allowed")
-    db = f.integer("db", 0, minimum=0, maximum=1023)
+    db = f.integer("db", 0, minimum=0, maximum=MAX_REDIS_DB)
     tls = f.boolean("tls", False)
     password, _ = _secret(f, "password")
     f.done()
