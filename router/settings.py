@@ -36,6 +36,7 @@ from router.model import Endpoint
 from router.policies.base import PolicyConfigError
 from router.policies.consistent_hash import HashKey, parse_key
 from router.policies.registry import PolicyRegistry
+from router.redaction import redact_url
 from router.redis_client import RedisSettings, SentinelSettings
 from router.sticky import StickinessSettings
 
@@ -243,14 +244,14 @@ class Fields:
         value = self.get(key, default)
         if not isinstance(value, str) or not value.strip():
             missing = key not in self.raw
-            problem = "is required" if missing else f"must be a non-empty string, got {_show(value)}"
+            problem = "is required" if missing else f"must be a non-empty string, got {_show(value, key=key)}"
             raise ConfigError(self.at(key), problem)
         return value.strip()
 
     def integer(self, key: str, default: int, *, minimum: int, maximum: int | None = None) -> int:
         value = self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(self.at(key), f"must be an integer, got {_show(value)}")
+            raise ConfigError(self.at(key), f"must be an integer, got {_show(value, key=key)}")
         if value < minimum or (maximum is not None and value > maximum):
             bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
             raise ConfigError(self.at(key), f"must be {bound}, got {value}")
@@ -260,7 +261,7 @@ class Fields:
                exclusive_minimum: bool = False) -> float:
         value = self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(self.at(key), f"must be a number, got {_show(value)}")  # .inf and .nan too
+            raise ConfigError(self.at(key), f"must be a number, got {_show(value, key=key)}")  # .inf and .nan too
         too_low = value <= minimum if exclusive_minimum else value < minimum
         if too_low or (maximum is not None and value > maximum):
             low = f"> {minimum}" if exclusive_minimum else f">= {minimum}"
@@ -271,20 +272,21 @@ class Fields:
     def boolean(self, key: str, default: bool) -> bool:
         value = self.get(key, default)
         if not isinstance(value, bool):
-            raise ConfigError(self.at(key), f"must be true or false, got {_show(value)}")
+            raise ConfigError(self.at(key), f"must be true or false, got {_show(value, key=key)}")
         return value
 
     def duration(self, key: str, default: float) -> float:
         value = self.get(key, default)
         seconds = parse_duration(value)
         if seconds is None or seconds <= 0:
-            raise ConfigError(self.at(key), f"must be a positive duration like 2s, 500ms or 1.5, got {_show(value)}")
+            raise ConfigError(self.at(key), f"must be a positive duration like 2s, 500ms or 1.5, got "
+                                            f"{_show(value, key=key)}")
         return seconds
 
     def choice(self, key: str, default: str, options: tuple[str, ...] | list[str]) -> str:
         value = self.get(key, default)
         if value not in options:
-            raise ConfigError(self.at(key), f"must be one of {', '.join(options)}; got {_show(value)}")
+            raise ConfigError(self.at(key), f"must be one of {', '.join(options)}; got {_show(value, key=key)}")
         return value
 
     def sub(self, key: str) -> Fields:
@@ -295,7 +297,7 @@ class Fields:
         if value is None:
             value = []
         if not isinstance(value, list):
-            raise ConfigError(self.at(key), f"must be a list, got {_show(value)}")
+            raise ConfigError(self.at(key), f"must be a list, got {_show(value, key=key)}")
         return [(f"{self.at(key)}[{i}]", item) for i, item in enumerate(value)]
 
     def done(self) -> None:
@@ -305,9 +307,32 @@ class Fields:
             raise ConfigError(self.at(str(unknown[0])), f"unknown field (expected one of: {known})")
 
 
-def _show(value: Any) -> str:
-    text = repr(value)
+# Fields that name a secret (passwordEnv, passwordFile, tokenEnv, apiKeysEnv, apiKeysFile, upstreamApiKeyEnv).
+# An error about one names the field but never repeats what was written there: a password pasted by mistake
+# where its variable's name belongs must not land in a log. A value is repeated only once it has proven to be
+# a name or a path (the variable is set, the file was opened).
+SECRET_FIELD = re.compile(r"password|token|secret|apikey", re.IGNORECASE)
+NOT_SHOWN = "(its value is not repeated: this field names a secret)"
+
+
+def _show(value: Any, *, key: str = "") -> str:
+    """A value for an error message: its repr, cut at 60 characters, with a URL's credentials hidden; nothing
+    of it for a field that names a secret (`key`)."""
+    if key and SECRET_FIELD.search(key):
+        return NOT_SHOWN
+    text = repr(_redacted(value))
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _redacted(value: Any) -> Any:
+    """`value` with the credentials of every URL in it hidden (router/redaction.py), nested ones included."""
+    if isinstance(value, str):
+        return redact_url(value)
+    if isinstance(value, list | tuple):
+        return type(value)(_redacted(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _redacted(v) for k, v in value.items()}
+    return value
 
 
 def _address(fields: Fields, key: str, default: Address, env_prefix: str, *, others: tuple[str, ...] = (),
@@ -364,11 +389,11 @@ def _endpoint(path: str, raw: Any) -> Endpoint:
     url = f.string("url").rstrip("/")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f.at("url"), f"must be an http:// or https:// URL with a host, got {url!r}")
+        raise ConfigError(f.at("url"), f"must be an http:// or https:// URL with a host, got {_show(url)}")
     try:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError:
-        raise ConfigError(f.at("url"), f"has an invalid port: {url!r}") from None
+        raise ConfigError(f.at("url"), f"has an invalid port: {_show(url)}") from None
     models = f.get("models")
     if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
         raise ConfigError(f.at("models"), f"must be a non-empty list of model names, got {_show(models)}")
@@ -665,7 +690,7 @@ def _sentinel(f: Fields) -> SentinelSettings:
     for path, item in f.items("addresses"):
         host, _, port = item.rpartition(":") if isinstance(item, str) else ("", "", "")
         host = host.strip("[]")  # [::1]:26379
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not host or "/" in host or "@" in host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(path, f"must be host:port, got {_show(item)}")
         addresses.append((host, int(port)))
     if not addresses:
@@ -691,10 +716,10 @@ def _secret(f: Fields, name: str) -> tuple[str | None, str | None]:
     if env is not None:
         env = f.string(env_key)
         if not _ENV_NAME.match(env):
-            raise ConfigError(f.at(env_key), f"must be an environment variable name, got {env!r}")
+            raise ConfigError(f.at(env_key), f"must be an environment variable name (letters, digits, _) {NOT_SHOWN}")
         value = os.environ.get(env, "")
         if not value:
-            raise ConfigError(f.at(env_key), f"environment variable {env} is not set or empty")
+            raise ConfigError(f.at(env_key), f"the environment variable it names is not set or empty {NOT_SHOWN}")
         return value, f"${env}"
     if path is not None:
         path = f.string(file_key)
@@ -703,7 +728,7 @@ def _secret(f: Fields, name: str) -> tuple[str | None, str | None]:
                 value = fh.read()
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ConfigError(f.at(file_key), f"cannot read {path!r}: {reason}") from None
+            raise ConfigError(f.at(file_key), f"cannot read the file it names: {reason} {NOT_SHOWN}") from None
         value = value.rstrip("\r\n")  # a Secret mounted as a file, or `echo` into one
         if not value:
             raise ConfigError(f.at(file_key), f"{path!r} is empty")

@@ -408,6 +408,8 @@ async def test_nvml_source_without_a_driver_says_so_and_keeps_trying(fleet, pod_
         pytest.param(["--source", "nvml", "--interval", "0s"], "--interval must be a positive duration", id="interval"),
         pytest.param(["--source", "nvml", "--redis", "http://x"], "--redis: must be a redis://", id="redis-url"),
         pytest.param(["--source", "dcgm", "--dcgm-url", "localhost:9400"], "--dcgm-url must be an http://", id="dcgm-url"),
+        pytest.param(["--source", "dcgm", "--dcgm-url", "ftp://ops:hunter2@dcgm:9400"],
+                     "--dcgm-url must be an http:// or https:// URL, got 'ftp://***@dcgm:9400'", id="dcgm-url-credentials"),
         pytest.param(["--source", "nvml", "--metrics-port", "70000"], "--metrics-port must be 0..65535", id="port"),
     ],
 )
@@ -417,6 +419,7 @@ def test_bad_command_lines_exit_2_with_the_reason(args, message, redis_url) -> N
     argv = [sys.executable, "-m", "router", "node-agent", "--redis", redis_url, *args]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "hunter2" not in proc.stderr  # a URL's credentials are never printed
 
 
 async def test_healthz_fails_when_rounds_stop(fleet, dcgm_exporter) -> None:  # noqa: F811

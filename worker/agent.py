@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 from redis.exceptions import RedisError
 
+from router.redaction import redact_url
 from worker.collect import EngineCollector, GpuSampler, SimGpuSampler
 from worker.node_gpu import NodeGpuReader, merge
 from worker.publisher import RedisPublisher
@@ -133,7 +134,7 @@ async def run_agent(settings: AgentSettings) -> None:
     client = connect(settings.redis, timeout=settings.timeout)
     async with aiohttp.ClientSession() as session:
         agent = Agent(settings, session, client)
-        log.info("agent started", extra={"endpoint": settings.endpoint_id, "engine": settings.engine_url,
+        log.info("agent started", extra={"endpoint": settings.endpoint_id, "engine": redact_url(settings.engine_url),
                                          "interval_s": settings.interval, "redis": settings.redis.describe()})
         task = asyncio.create_task(agent.run())
         stop = asyncio.Event()

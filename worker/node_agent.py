@@ -39,6 +39,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
+from router.redaction import redact_url
 from worker.agent import add_redis_arguments, redis_settings
 from worker.node_metrics import NodeAgentMetrics
 from worker.node_sources import (
@@ -223,7 +224,7 @@ async def run_node_agent(settings: NodeAgentSettings) -> None:
             "namespaces": sorted(settings.pods.namespaces) or "all",
             "containers": sorted(settings.pods.containers) or "any",
             "pod_resources": settings.pod_resources_socket if settings.source == "nvml" else None,
-            "dcgm_url": settings.dcgm_url if settings.source == "dcgm" else None,
+            "dcgm_url": redact_url(settings.dcgm_url) if settings.source == "dcgm" else None,
             "metrics_port": settings.metrics_port or None})
         task = asyncio.create_task(agent.run())
         stop = asyncio.Event()
@@ -289,7 +290,7 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return fail(str(exc))
     if args.source == "dcgm" and not args.dcgm_url.startswith(("http://", "https://")):
-        return fail(f"--dcgm-url must be an http:// or https:// URL, got {args.dcgm_url!r}")
+        return fail(f"--dcgm-url must be an http:// or https:// URL, got {redact_url(args.dcgm_url)!r}")
     if not 0 <= args.metrics_port <= 65535:
         return fail(f"--metrics-port must be 0..65535, got {args.metrics_port}")
     configure_logging("info")

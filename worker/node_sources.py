@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
+from router.redaction import redact_url
 from worker.dcgm_metrics import parse_dcgm_metrics
 from worker.protocol import GpuSample
 
@@ -245,6 +246,7 @@ class DcgmNodeSource:
     def __init__(self, session: aiohttp.ClientSession, url: str, pods: PodFilter, *, timeout: float) -> None:
         self._session = session
         self.url = url
+        self._shown_url = redact_url(url)  # for messages: without credentials
         self._pods = pods
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._last_xid: dict[str, int] = {}  # GPU -> the last XID code seen
@@ -257,11 +259,13 @@ class DcgmNodeSource:
                 resp.raise_for_status()
                 text = await resp.text()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise SourceUnavailable("dcgm", f"dcgm-exporter at {self.url}: {type(exc).__name__}: {exc}") from exc
+            raise SourceUnavailable("dcgm", f"dcgm-exporter at {self._shown_url}: {type(exc).__name__}: "
+                                            f"{redact_url(str(exc))}") from exc
         try:
             gpus = parse_dcgm_metrics(text)
         except ValueError as exc:
-            raise SourceUnavailable("dcgm", f"dcgm-exporter at {self.url} answered no Prometheus text: {exc}") from exc
+            raise SourceUnavailable("dcgm", f"dcgm-exporter at {self._shown_url} answered no Prometheus text: "
+                                            f"{exc}") from exc
         self.gpus = len({g.uuid for g in gpus})
         held: dict[tuple[str, str], dict[str, GpuSample]] = {}
         for gpu in gpus:
