@@ -14,10 +14,11 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
              trustedProxies: []}               OpenAI-compatible ingress (/v1/...); auto: from the descriptor
                                                limit, leaving room for admin and engines; per client: 0 = no
                                                cap; X-Forwarded-* believed only from trustedProxies (CIDRs)
-  admin:    {host: 127.0.0.1, port: 9090, tokenEnv: FLEETROUTE_ADMIN_TOKEN, maxConnections: 64}
-                                               /metrics, /healthz, /readyz, /admin/*, /status (a live page
+  admin:    {host: 127.0.0.1, port: 9090, tokenEnv: FLEETROUTE_ADMIN_TOKEN, maxConnections: 64,
+             maxConnectionsPerClient: 16}      /metrics, /healthz, /readyz, /admin/*, /status (a live page
                                                in a browser); a set token guards all but the first three
-                                               (/status: log in with it); its own connection budget
+                                               (/status: log in with it); its own connection budget, of
+                                               which one client address may hold 16
   endpoints:                                   static discovery
     - {id: gpu-0, url: http://10.0.0.5:8000, models: [llama-3-8b], weight: 1}
                                                weight: relative capacity (H100 beside A100: ~1.8)

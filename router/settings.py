@@ -48,6 +48,9 @@ if TYPE_CHECKING:  # parsed by their own modules, which build on this one's fiel
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_ADMIN_CONNECTIONS = 64  # kubelet probes and a few Prometheus scrapers need a handful
+# Per client address on the admin listener: a quarter of its budget, so one client (a scraper gone wrong, or
+# anyone who can reach the port) cannot hold every admin connection and make the kubelet's /healthz fail.
+DEFAULT_ADMIN_CONNECTIONS_PER_CLIENT = 16
 ENDPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 POLICY_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a Kubernetes object name, for the CRD
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -195,7 +198,8 @@ class DiscoverySettings:
 class Settings:
     listen: Address = Address("0.0.0.0", 8080)
     # The admin listener's own connection budget: /healthz answers while the ingress is flooded.
-    admin: Address = Address("127.0.0.1", 9090, max_connections=DEFAULT_ADMIN_CONNECTIONS)
+    admin: Address = Address("127.0.0.1", 9090, max_connections=DEFAULT_ADMIN_CONNECTIONS,
+                             max_connections_per_client=DEFAULT_ADMIN_CONNECTIONS_PER_CLIENT)
     endpoints: tuple[Endpoint, ...] = ()
     policies: tuple[PolicySpec, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
