@@ -251,6 +251,43 @@ async def test_without_a_token_the_admin_routes_stay_open(make_engine, make_rout
         assert resp.status == 200
 
 
+EXPOSED = "the admin listener is reachable from other hosts and has no admin token"
+
+
+@pytest.mark.parametrize(("reachable_elsewhere", "token", "warned"), [
+    (False, None, False),  # loopback: only this host's processes reach it (the default)
+    (True, None, True),
+    (True, ADMIN_TOKEN, False),
+], ids=["loopback", "reachable-without-token", "reachable-with-token"])
+async def test_an_admin_listener_open_to_other_hosts_without_a_token_is_warned_about(
+        make_engine, make_router, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        reachable_elsewhere: bool, token: str | None, warned: bool) -> None:
+    # Tests bind loopback only: a non-loopback admin address (admin.host: 0.0.0.0) is what the check is told.
+    from router import app
+
+    if reachable_elsewhere:
+        monkeypatch.setattr(app, "is_loopback", lambda host: False)
+    if token is None:
+        monkeypatch.delenv("FLEETROUTE_ADMIN_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("FLEETROUTE_ADMIN_TOKEN", token)
+    router = await make_router([await make_engine("gpu-0")])
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.getMessage().startswith(EXPOSED)]
+    assert len(warnings) == (1 if warned else 0)
+    if warned:  # it names the address actually bound (port 0 resolved)
+        assert warnings[0].admin == [router.admin_url.removeprefix("http://")]
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("::ffff:127.0.0.1", True),
+    ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("fe80::1%eth0", False),
+])
+def test_which_admin_addresses_count_as_loopback(host: str, loopback: bool) -> None:
+    from router.app import is_loopback
+
+    assert is_loopback(host) is loopback
+
+
 @pytest.mark.parametrize("token", [None, ADMIN_TOKEN], ids=["no-token", "token"])
 async def test_another_web_site_cannot_drain_an_endpoint_through_the_operators_browser(
     make_engine, make_router, http, monkeypatch: pytest.MonkeyPatch, token: str | None,

@@ -350,3 +350,25 @@ async def test_an_idle_connection_flood_past_the_descriptor_limit_leaves_healthz
         if proc.returncode is None:
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 20)
+
+
+# ---- what the listeners report --------------------------------------------------------------------------------
+
+
+async def test_the_router_reports_the_addresses_its_listeners_are_bound_to(make_engine, make_router, http) -> None:
+    # Port 0 resolved to the port the OS chose; a host name resolved to its addresses (localhost: 127.0.0.1,
+    # and ::1 where IPv6 is up, on a port of its own).
+    router = await make_router([await make_engine("gpu-0")], admin={"host": "localhost", "port": 0})
+    assert ("127.0.0.1", 0) not in router.bound["admin"]
+    assert {host for host, _ in router.bound["admin"]} <= {"127.0.0.1", "::1"}
+    async with http.get(router.admin_url + "/healthz") as resp:
+        assert resp.status == 200
+
+
+def test_a_wildcard_address_is_reported_as_bound_and_reached_over_loopback() -> None:
+    from router.app import _local_url, show_address
+
+    assert show_address("0.0.0.0", 9090) == "0.0.0.0:9090" and show_address("::", 9090) == "[::]:9090"
+    assert _local_url((("0.0.0.0", 9090),)) == "http://127.0.0.1:9090"
+    assert _local_url((("::", 9090),)) == "http://[::1]:9090"
+    assert _local_url((("::1", 9091), ("127.0.0.1", 9092))) == "http://[::1]:9091"
