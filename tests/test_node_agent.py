@@ -409,7 +409,9 @@ async def test_nvml_source_without_a_driver_says_so_and_keeps_trying(fleet, pod_
         pytest.param(["--source", "nvml", "--redis", "http://x"], "--redis: must be a redis://", id="redis-url"),
         pytest.param(["--source", "dcgm", "--dcgm-url", "localhost:9400"], "--dcgm-url must be an http://", id="dcgm-url"),
         pytest.param(["--source", "dcgm", "--dcgm-url", "ftp://ops:hunter2@dcgm:9400"],
-                     "--dcgm-url must be an http:// or https:// URL, got 'ftp://***@dcgm:9400'", id="dcgm-url-credentials"),
+                     "--dcgm-url must be an http:// or https:// URL with a host, got 'ftp://***@dcgm:9400'", id="dcgm-url-credentials"),
+        pytest.param(["--source", "dcgm", "--dcgm-url", "http://dcgm:99999/metrics"], "--dcgm-url has an invalid port",
+                     id="dcgm-url-port"),
         pytest.param(["--source", "nvml", "--metrics-port", "70000"], "--metrics-port must be 0..65535", id="port"),
     ],
 )

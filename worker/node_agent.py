@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from router.redaction import redact_url
-from worker.agent import add_redis_arguments, redis_settings
+from worker.agent import add_redis_arguments, http_url_problem, redis_settings
 from worker.node_metrics import NodeAgentMetrics
 from worker.node_sources import (
     NODE_SOURCES,
@@ -289,8 +289,8 @@ def main(args: argparse.Namespace) -> int:
         redis = redis_settings(args)
     except ConfigError as exc:
         return fail(str(exc))
-    if args.source == "dcgm" and not args.dcgm_url.startswith(("http://", "https://")):
-        return fail(f"--dcgm-url must be an http:// or https:// URL, got {redact_url(args.dcgm_url)!r}")
+    if args.source == "dcgm" and (problem := http_url_problem(args.dcgm_url)) is not None:
+        return fail(f"--dcgm-url {problem}")
     if not 0 <= args.metrics_port <= 65535:
         return fail(f"--metrics-port must be 0..65535, got {args.metrics_port}")
     configure_logging("info")
