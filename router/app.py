@@ -46,7 +46,7 @@ from router.prefix_sharing import PrefixSharing
 from router.prefix_upkeep import PrefixUpkeep, run_upkeep
 from router.proxy import Proxy
 from router.redis_client import connect as connect_redis
-from router.settings import Settings
+from router.settings import FALLBACK_POLICY, Settings
 from router.shared_loads import SharedLoads, replica_id
 from router.status.page import add_status_page
 from router.status.sessions import BrowserSessions
@@ -550,7 +550,7 @@ async def serve(settings: Settings, *, reuse_port: bool = False, config_path: st
             "admin": [show_address(*address) for address in running.bound["admin"]],
             "endpoints": len(ctx.balancer.endpoints()),
             "models": list(ctx.balancer.models()),
-            "policies": [p.name for p in settings.policies] or ["default"],
+            "policies": [p.name for p in settings.policies] or [FALLBACK_POLICY],  # none: every model's
             "presets": {p.name: p.preset for p in settings.policies if p.preset},
             "max_connections": {name: guard.max_connections for name, guard in running.connections.items()},
             "descriptor_limit": descriptor_limit(),

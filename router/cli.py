@@ -27,7 +27,8 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
                                                (EndpointSlice watch; labelSelector: the older form, which
                                                any Service with the labels joins; docs/kubernetes.md)
   policies:                                    first policy whose models match a request's model wins;
-    - name: chat                               others use the built-in "default" (adaptive, all defaults)
+    - name: chat                               others use the built-in "builtin-fallback" (adaptive, all
+                                               defaults; the name is reserved)
       models: ["*"]                            names or shell-style patterns
       preset: realtime-chat                    optional: a tuned policy that the fields below adjust
                                                (see presets)

@@ -51,6 +51,7 @@ async def start_process(tmp_path: Path, engines, workers: int) -> tuple[asyncio.
     for line in lines:  # the log names the addresses the sockets are bound to
         if line.get("msg") == "router listening":
             assert (line["ingress"], line["admin"]) == ([f"127.0.0.1:{port}"], [f"127.0.0.1:{admin}"])
+            assert line["policies"] == ["builtin-fallback"]  # no policies configured: the built-in one, by its name
     return proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", lines
 
 

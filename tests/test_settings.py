@@ -275,3 +275,10 @@ def test_redact_url_hides_userinfo_only(text: str, shown: str) -> None:
     from router.redaction import redact_url
 
     assert redact_url(text) == shown
+
+
+def test_the_help_names_the_builtin_policy_as_the_code_does() -> None:
+    from router.cli import ROUTER_EPILOG
+    from router.settings import FALLBACK_POLICY
+
+    assert f'the built-in "{FALLBACK_POLICY}"' in ROUTER_EPILOG and 'built-in "default"' not in ROUTER_EPILOG
