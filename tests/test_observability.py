@@ -116,3 +116,13 @@ def test_every_metric_has_a_row_in_the_architecture_metrics_table() -> None:
     in_code = {name for path in [*root.glob("router/**/*.py"), *root.glob("worker/**/*.py")]
                for name in re.findall(r'"(fleetroute_[a-z0-9_]+)"', path.read_text())}
     assert {row.removesuffix("_total") for row in rows} - in_code == set(), "rows for metrics no code defines"
+
+
+def test_every_error_code_the_router_writes_has_a_row_in_the_architecture_errors_table() -> None:
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "architecture.md").read_text()
+    table = doc[doc.index("## Errors and statuses"):doc.index("### After the headers are sent")]
+    rows = set(re.findall(r"`([a-z_]+)`", " ".join(line.split("|")[2] for line in table.splitlines()
+                                                     if line.startswith("| ") and line.count("|") > 4)))
+    written = {code for path in root.glob("router/**/*.py") for code in re.findall(r'code="([a-z_]+)"', path.read_text())}
+    assert written - rows == set(), "error codes without a row in docs/architecture.md#errors-and-statuses"
