@@ -88,7 +88,9 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
                                                (gpuSource: sim adds a simulator's /sim/gpu)
          {..., cluster: true}                  url is any node of a Redis Cluster
          {sentinel: {masterName: NAME, addresses: ["HOST:PORT", ...], db: 0, tls: false,
-                     passwordEnv: VAR}}        a Sentinel-watched master, instead of url
+                     passwordEnv: VAR}}        a Sentinel-watched master, instead of url; the
+                                               sentinels' own password: sentinel.passwordEnv or
+                                               sentinel.passwordFile (the master's: below)
          {..., username: NAME, passwordEnv: VAR}   or passwordFile: FILE; never the password itself
   logging: {level: info, accessLog: true}
   auth: {apiKeysFile: FILE, apiKeysEnv: VAR, upstreamApiKeyEnv: VAR}

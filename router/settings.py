@@ -612,6 +612,7 @@ def _redis(top: Fields) -> RedisSettings:
     from `passwordEnv` or `passwordFile`, never from this file."""
     sub = top.sub("redis")
     sentinel = _sentinel(sub.sub("sentinel")) if sub.get("sentinel") is not None else None
+    sub.used.add("url")  # a known field whether present or not (the unknown-field error lists it)
     if sub.has("url") or sentinel is not None:
         url = sub.get("url")
         where = sub.at("url")
@@ -964,6 +965,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
 def _drain_connections(top: Fields, shutdown_grace: float) -> float:
     """`drainConnections`: 0 (close idle connections at once) up to `shutdownGrace`, which it is part of; by
     default 15 s, or all of a shorter shutdownGrace."""
+    top.used.add("drainConnections")  # a known field whether present or not (the unknown-field error lists it)
     if not top.has("drainConnections"):
         return min(Settings.drain_connections, shutdown_grace)
     value = top.get("drainConnections")

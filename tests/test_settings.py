@@ -282,3 +282,32 @@ def test_the_help_names_the_builtin_policy_as_the_code_does() -> None:
     from router.settings import FALLBACK_POLICY
 
     assert f'the built-in "{FALLBACK_POLICY}"' in ROUTER_EPILOG and 'built-in "default"' not in ROUTER_EPILOG
+
+
+def test_the_helps_redis_fields_are_the_ones_the_parser_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    from router.cli import ROUTER_EPILOG
+
+    block = ROUTER_EPILOG[ROUTER_EPILOG.index("  redis: "):ROUTER_EPILOG.index("  logging: ")]
+    sentinel_fields = set(re.findall(r"sentinel\.(\w+)", block)) | {"passwordEnv"}
+    assert sentinel_fields == {"passwordEnv", "passwordFile"}
+    (tmp_path / "pw").write_text("s\n")
+    monkeypatch.setenv("SENTINEL_PW", "s")
+    for field, value in (("passwordEnv", "SENTINEL_PW"), ("passwordFile", str(tmp_path / "pw"))):
+        sentinel = {"masterName": "m", "addresses": ["s:26379"], "db": 0, "tls": False, field: value}
+        assert parse_settings({"redis": {"sentinel": sentinel}}).redis.sentinel.password == "s"
+
+
+def test_an_unknown_top_level_field_error_lists_every_top_level_field() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_settings({"drainConection": "1s"})
+    assert str(info.value) == (
+        "drainConection: unknown field (expected one of: admin, auth, control, discovery, drainConnections, endpoints, "
+        "explain, limits, listen, logging, policies, redis, shutdownGrace, telemetry, workers)")
+
+
+def test_an_unknown_redis_field_error_lists_url() -> None:
+    with pytest.raises(ConfigError, match=r"^redis.ur: unknown field \(expected one of: cluster, passwordEnv, "
+                                          r"passwordFile, sentinel, url, username\)$"):
+        parse_settings({"redis": {"ur": "redis://r"}})
