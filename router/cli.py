@@ -181,7 +181,7 @@ def _show_policies(path: str) -> str:
 def _router(args: argparse.Namespace) -> int:
     import os
 
-    from router.logs import configure_logging
+    from router.logs import HeldRecords, configure_logging
     from router.settings import ConfigError, load_settings
 
     if args.show_preset is not None:
@@ -195,12 +195,15 @@ def _router(args: argparse.Namespace) -> int:
     if not path:
         print("fleetroute router: error: --config is required (or set FLEETROUTE_CONFIG)", file=sys.stderr)
         return 2
+    held = HeldRecords()  # what parsing logs (a deprecated form) waits for the file's logging settings
     try:
         settings = load_settings(path)
     except ConfigError as exc:
+        held.close()
         print(f"fleetroute router: config error: {exc}", file=sys.stderr)
         return 2
     if args.show_policies:
+        held.close()
         sys.stdout.write(_show_policies(path))  # the file is valid: load_settings read it
         return 0
     if args.workers is not None:
@@ -208,6 +211,7 @@ def _router(args: argparse.Namespace) -> int:
 
         settings = replace(settings, workers=args.workers)
     configure_logging(settings.log_level)
+    held.replay()
     if settings.workers > 1:
         from router.workers import run_workers
 
