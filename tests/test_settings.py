@@ -311,3 +311,10 @@ def test_an_unknown_redis_field_error_lists_url() -> None:
     with pytest.raises(ConfigError, match=r"^redis.ur: unknown field \(expected one of: cluster, passwordEnv, "
                                           r"passwordFile, sentinel, url, username\)$"):
         parse_settings({"redis": {"ur": "redis://r"}})
+
+
+def test_the_example_config_loads_and_each_of_its_policies_routes_a_served_model() -> None:
+    settings = load_settings(str(Path(__file__).resolve().parent.parent / "examples" / "router.yaml"))
+    served = {model for endpoint in settings.endpoints for model in endpoint.models}
+    routed = {next(p.name for p in settings.policies if p.matches(model)) for model in served}
+    assert routed == {p.name for p in settings.policies}  # no policy shadowed by an earlier one, none idle
