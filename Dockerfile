@@ -1,5 +1,8 @@
-# fleetroute: one image for the router (`fleetroute router`) and the telemetry sidecar (`fleetroute agent`).
-# The Helm chart (helm/fleetroute) runs it read-only, as user 10001, with every capability dropped.
+# fleetroute: one image for every component: the router (`fleetroute router`), the telemetry sidecar beside
+# each engine (`fleetroute agent`) and the GPU node agent (`fleetroute node-agent`, a DaemonSet).
+# The Helm chart (helm/fleetroute) runs it read-only with every capability dropped, as user 10001; the one
+# exception is the node agent with the nvml source, which runs as root (uid 0: the kubelet's PodResources
+# socket is root's), still read-only and without capabilities (privileged only with gpuTelemetry.nvml.privileged).
 #
 #   docker build -t fleetroute/fleetroute:0.1.0 .
 #
@@ -22,7 +25,8 @@ RUN pip install --no-index --find-links=/wheels fleetroute && rm -rf /wheels \
     && groupadd --gid 10001 fleetroute \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin fleetroute
 USER 10001:10001
-# 8080: OpenAI-compatible ingress; 9090: admin (/metrics, /healthz, /readyz, /admin/*).
+# 8080: OpenAI-compatible ingress; 9090: admin (/metrics, /healthz, /readyz, /admin/*). The node agent serves
+# its /metrics and /healthz on 9402 (--metrics-port).
 EXPOSE 8080 9090
 ENTRYPOINT ["fleetroute"]
 CMD ["router", "--help"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import random
 import signal
@@ -47,7 +48,7 @@ from router.prefix_upkeep import PrefixUpkeep, run_upkeep
 from router.proxy import Proxy
 from router.redis_client import connect as connect_redis
 from router.rescue import release_excluded, run_stall_checks
-from router.settings import Settings
+from router.settings import FALLBACK_POLICY, Settings
 from router.shared_loads import SharedLoads, replica_id
 from router.status.page import add_status_page
 from router.status.sessions import BrowserSessions
@@ -422,11 +423,12 @@ class RunningRouter:
     """A started router: its context, bound addresses, and how to stop it."""
 
     ctx: RouterContext
-    ingress_url: str
+    ingress_url: str  # a URL that reaches the listener from this host (loopback for a wildcard address)
     admin_url: str
     ingress_runner: web.AppRunner
     admin_runner: web.AppRunner
     connections: dict[str, ConnectionGuard]  # per listener: open connections, caps and timeouts
+    bound: dict[str, tuple[tuple[str, int], ...]]  # per listener: the addresses its sockets are bound to
 
     async def shutdown(self) -> None:
         """The graceful stop (SIGTERM): readiness fails, the ingress listener stops accepting and drains its
@@ -446,12 +448,53 @@ class RunningRouter:
         await self.admin_runner.cleanup()
 
 
-def _bound_port(runner: web.AppRunner) -> int:
+def _bound(runner: web.AppRunner) -> tuple[tuple[str, int], ...]:
+    """The (host, port) of every socket of the runner's sites: what the OS bound (port 0 resolved, a host name
+    resolved to its addresses)."""
+    bound = []
     for site in runner.sites:
         server = getattr(site, "_server", None)
-        if server is not None and server.sockets:
-            return server.sockets[0].getsockname()[1]
-    raise RuntimeError("site is not bound")
+        for sock in server.sockets if server is not None else ():
+            host, port = sock.getsockname()[:2]
+            bound.append((host, port))
+    if not bound:
+        raise RuntimeError("site is not bound")
+    return tuple(bound)
+
+
+def show_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _local_url(bound: tuple[tuple[str, int], ...]) -> str:
+    """A URL that reaches the listener from this host: its first address, loopback for a wildcard one."""
+    host, port = bound[0]
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://{show_address(host, port)}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bound address is reachable only from this host (a wildcard address is not)."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def warn_if_admin_exposed(settings: Settings, bound: tuple[tuple[str, int], ...]) -> None:
+    """One warning at start-up when the admin listener is reachable from other hosts and no admin token is
+    set: anyone who reaches it may then drain endpoints and read /admin/* and the status page."""
+    if settings.auth is not None and settings.auth.admin_token_digest is not None:
+        return
+    exposed = [show_address(host, port) for host, port in bound if not is_loopback(host)]
+    if exposed:
+        log.warning("the admin listener is reachable from other hosts and has no admin token: whoever reaches it "
+                    "may drain endpoints and read /admin/* and the status page; set the admin token "
+                    f"(${auth.ADMIN_TOKEN_ENV}, or the variable admin.tokenEnv names) or bind admin.host to "
+                    "127.0.0.1", extra={"admin": exposed})
 
 
 async def start_router(ctx: RouterContext, *, reuse_port: bool = False) -> RunningRouter:
@@ -488,15 +531,16 @@ async def start_router(ctx: RouterContext, *, reuse_port: bool = False) -> Runni
         await ingress_runner.cleanup()
         await admin_runner.cleanup()
         raise
-    host = settings.listen.host if settings.listen.host not in ("0.0.0.0", "::") else "127.0.0.1"
-    admin_host = settings.admin.host if settings.admin.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    bound = {"ingress": _bound(ingress_runner), "admin": _bound(admin_runner)}
+    warn_if_admin_exposed(settings, bound["admin"])
     return RunningRouter(
         ctx=ctx,
-        ingress_url=f"http://{host}:{_bound_port(ingress_runner)}",
-        admin_url=f"http://{admin_host}:{_bound_port(admin_runner)}",
+        ingress_url=_local_url(bound["ingress"]),
+        admin_url=_local_url(bound["admin"]),
         ingress_runner=ingress_runner,
         admin_runner=admin_runner,
         connections={"ingress": ingress_guard, "admin": admin_guard},
+        bound=bound,
     )
 
 
@@ -533,11 +577,12 @@ async def serve(settings: Settings, *, reuse_port: bool = False, config_path: st
     log.info(
         "router listening",
         extra={
-            "ingress": running.ingress_url,
-            "admin": running.admin_url,
+            # What the sockets are bound to: the configured host (0.0.0.0 stays 0.0.0.0), the port the OS chose.
+            "ingress": [show_address(*address) for address in running.bound["ingress"]],
+            "admin": [show_address(*address) for address in running.bound["admin"]],
             "endpoints": len(ctx.balancer.endpoints()),
             "models": list(ctx.balancer.models()),
-            "policies": [p.name for p in settings.policies] or ["default"],
+            "policies": [p.name for p in settings.policies] or [FALLBACK_POLICY],  # none: every model's
             "presets": {p.name: p.preset for p in settings.policies if p.preset},
             "max_connections": {name: guard.max_connections for name, guard in running.connections.items()},
             "descriptor_limit": descriptor_limit(),

@@ -54,7 +54,7 @@ from multidict import CIMultiDict
 
 from router.errors import error_response
 from router.metrics import RouterMetrics
-from router.settings import ConfigError, Fields, _show
+from router.settings import NOT_SHOWN, ConfigError, Fields, _show
 from router.tenants import DEFAULT_TENANT, KEY_TENANT
 
 ADMIN_TOKEN_ENV = "FLEETROUTE_ADMIN_TOKEN"
@@ -101,7 +101,7 @@ def parse_auth(top: Fields, tenants: tuple[str, ...] = (DEFAULT_TENANT,)) -> Aut
                 text = fh.read()
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ConfigError(where, f"cannot read API keys from {path!r}: {reason}") from None
+            raise ConfigError(where, f"cannot read the file it names: {reason} {NOT_SHOWN}") from None
         keys += _keys(text, where, tenants)
         sources.append(f"file {path}")
     env = _env_name(f, "apiKeysEnv")
@@ -124,7 +124,7 @@ def parse_auth(top: Fields, tenants: tuple[str, ...] = (DEFAULT_TENANT,)) -> Aut
     token = os.environ.get(token_env, "").strip()
     if explicit and not token:
         # Asked for by name: an unset variable must fail start-up, not leave /admin open.
-        raise ConfigError(f"${token_env}", "is not set or empty (named by admin.tokenEnv)")
+        raise ConfigError("admin.tokenEnv", f"the environment variable it names is not set or empty {NOT_SHOWN}")
     if token and not _TOKEN.match(token):
         raise ConfigError(f"${token_env}", "must be one token of visible ASCII characters")
     if not keys and upstream is None and not token:
@@ -152,14 +152,14 @@ def _env_name(f: Fields, key: str) -> str | None:
         return None
     name = f.string(key)
     if not _ENV_NAME.match(name):
-        raise ConfigError(f.at(key), f"must be an environment variable name, got {name!r}")
+        raise ConfigError(f.at(key), f"must be an environment variable name (letters, digits, _) {NOT_SHOWN}")
     return name
 
 
 def _required_env(name: str, where: str) -> str:
     value = os.environ.get(name, "")
     if not value.strip():
-        raise ConfigError(where, f"environment variable {name} is not set or empty")
+        raise ConfigError(where, f"the environment variable it names is not set or empty {NOT_SHOWN}")
     return value
 
 

@@ -14,10 +14,11 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
              trustedProxies: []}               OpenAI-compatible ingress (/v1/...); auto: from the descriptor
                                                limit, leaving room for admin and engines; per client: 0 = no
                                                cap; X-Forwarded-* believed only from trustedProxies (CIDRs)
-  admin:    {host: 127.0.0.1, port: 9090, tokenEnv: FLEETROUTE_ADMIN_TOKEN, maxConnections: 64}
-                                               /metrics, /healthz, /readyz, /admin/*, /status (a live page
+  admin:    {host: 127.0.0.1, port: 9090, tokenEnv: FLEETROUTE_ADMIN_TOKEN, maxConnections: 64,
+             maxConnectionsPerClient: 16}      /metrics, /healthz, /readyz, /admin/*, /status (a live page
                                                in a browser); a set token guards all but the first three
-                                               (/status: log in with it); its own connection budget
+                                               (/status: log in with it); its own connection budget, of
+                                               which one client address may hold 16
   endpoints:                                   static discovery
     - {id: gpu-0, url: http://10.0.0.5:8000, models: [llama-3-8b], weight: 1}
                                                weight: relative capacity (H100 beside A100: ~1.8)
@@ -26,7 +27,8 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
                                                (EndpointSlice watch; labelSelector: the older form, which
                                                any Service with the labels joins; docs/kubernetes.md)
   policies:                                    first policy whose models match a request's model wins;
-    - name: chat                               others use the built-in "default" (adaptive, all defaults)
+    - name: chat                               others use the built-in "builtin-fallback" (adaptive, all
+                                               defaults; the name is reserved)
       models: ["*"]                            names or shell-style patterns
       preset: realtime-chat                    optional: a tuned policy that the fields below adjust
                                                (see presets)
@@ -86,7 +88,9 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
                                                (gpuSource: sim adds a simulator's /sim/gpu)
          {..., cluster: true}                  url is any node of a Redis Cluster
          {sentinel: {masterName: NAME, addresses: ["HOST:PORT", ...], db: 0, tls: false,
-                     passwordEnv: VAR}}        a Sentinel-watched master, instead of url
+                     passwordEnv: VAR}}        a Sentinel-watched master, instead of url; the
+                                               sentinels' own password: sentinel.passwordEnv or
+                                               sentinel.passwordFile (the master's: below)
          {..., username: NAME, passwordEnv: VAR}   or passwordFile: FILE; never the password itself
   logging: {level: info, accessLog: true}
   auth: {apiKeysFile: FILE, apiKeysEnv: VAR, upstreamApiKeyEnv: VAR}
@@ -190,7 +194,7 @@ def _show_policies(path: str) -> str:
 def _router(args: argparse.Namespace) -> int:
     import os
 
-    from router.logs import configure_logging
+    from router.logs import HeldRecords, configure_logging
     from router.settings import ConfigError, load_settings
 
     if args.show_preset is not None:
@@ -204,12 +208,15 @@ def _router(args: argparse.Namespace) -> int:
     if not path:
         print("fleetroute router: error: --config is required (or set FLEETROUTE_CONFIG)", file=sys.stderr)
         return 2
+    held = HeldRecords()  # what parsing logs (a deprecated form) waits for the file's logging settings
     try:
         settings = load_settings(path)
     except ConfigError as exc:
+        held.close()
         print(f"fleetroute router: config error: {exc}", file=sys.stderr)
         return 2
     if args.show_policies:
+        held.close()
         sys.stdout.write(_show_policies(path))  # the file is valid: load_settings read it
         return 0
     if args.workers is not None:
@@ -217,6 +224,7 @@ def _router(args: argparse.Namespace) -> int:
 
         settings = replace(settings, workers=args.workers)
     configure_logging(settings.log_level)
+    held.replay()
     if settings.workers > 1:
         from router.workers import run_workers
 

@@ -37,6 +37,7 @@ from router.output_tokens import OutputCounter
 from router.policies.base import MAX_LISTED, DecisionTrace
 from router.policies.consistent_hash import load_bound
 from router.proxy import Outcome, UpstreamFailed, UpstreamRescued
+from router.redaction import redact_url
 from router.request_body import BodyRejected, expect_handler, read_body
 from router.sticky import StickyTable
 from router.tenants import Tenant
@@ -583,7 +584,7 @@ async def list_endpoints(request: web.Request) -> web.Response:
         out.append(
             {
                 "id": view.id,
-                "url": view.endpoint.url,
+                "url": redact_url(view.endpoint.url),
                 "models": list(view.endpoint.models),
                 "state": view.state.value,
                 "in_flight": ctx.loads.in_flight(view.id),

@@ -39,6 +39,39 @@ def configure_logging(level: str) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
+class HeldRecords(logging.Handler):
+    """Log records emitted before logging is configured, held until it is: parsing the config file may warn
+    (a deprecated form), and the level and the JSON format come from that file. `replay` hands them to the
+    configured handlers, through the configured level; `close` alone drops them (the config was invalid)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        root = logging.getLogger()
+        self._saved = (root.handlers[:], root.level)
+        root.handlers[:] = [self]
+        root.setLevel(logging.DEBUG)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        root = logging.getLogger()
+        if self in root.handlers:  # configure_logging replaced the handlers already: keep what it set
+            root.handlers[:], level = self._saved
+            root.setLevel(level)
+        super().close()
+
+    def replay(self) -> None:
+        """Emit the held records through the logging configured since, then stop holding."""
+        self.close()
+        for record in self.records:
+            logger = logging.getLogger(record.name)
+            if logger.isEnabledFor(record.levelno):
+                logger.handle(record)
+        self.records.clear()
+
+
 class RateLimitedLog:
     """At most one line per key every `interval` seconds, for events a client or a failing endpoint can
     repeat at will (refused connections, timeouts, unreachable endpoints). The next line after a quiet spell

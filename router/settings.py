@@ -19,9 +19,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 import yaml
+from redis.asyncio.connection import parse_url as parse_redis_url
 
 from router import presets
 from router.cost import CHARS_PER_TOKEN_RANGE, CostSettings
@@ -36,6 +37,7 @@ from router.model import Endpoint
 from router.policies.base import PolicyConfigError
 from router.policies.consistent_hash import HashKey, parse_key
 from router.policies.registry import PolicyRegistry
+from router.redaction import redact_url
 from router.redis_client import RedisSettings, SentinelSettings
 from router.sticky import StickinessSettings
 
@@ -48,6 +50,9 @@ if TYPE_CHECKING:  # parsed by their own modules, which build on this one's fiel
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_ADMIN_CONNECTIONS = 64  # kubelet probes and a few Prometheus scrapers need a handful
+# Per client address on the admin listener: a quarter of its budget, so one client (a scraper gone wrong, or
+# anyone who can reach the port) cannot hold every admin connection and make the kubelet's /healthz fail.
+DEFAULT_ADMIN_CONNECTIONS_PER_CLIENT = 16
 ENDPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 POLICY_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a Kubernetes object name, for the CRD
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -195,7 +200,8 @@ class DiscoverySettings:
 class Settings:
     listen: Address = Address("0.0.0.0", 8080)
     # The admin listener's own connection budget: /healthz answers while the ingress is flooded.
-    admin: Address = Address("127.0.0.1", 9090, max_connections=DEFAULT_ADMIN_CONNECTIONS)
+    admin: Address = Address("127.0.0.1", 9090, max_connections=DEFAULT_ADMIN_CONNECTIONS,
+                             max_connections_per_client=DEFAULT_ADMIN_CONNECTIONS_PER_CLIENT)
     endpoints: tuple[Endpoint, ...] = ()
     policies: tuple[PolicySpec, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -248,14 +254,14 @@ class Fields:
         value = self.get(key, default)
         if not isinstance(value, str) or not value.strip():
             missing = key not in self.raw
-            problem = "is required" if missing else f"must be a non-empty string, got {_show(value)}"
+            problem = "is required" if missing else f"must be a non-empty string, got {_show(value, key=key)}"
             raise ConfigError(self.at(key), problem)
         return value.strip()
 
     def integer(self, key: str, default: int, *, minimum: int, maximum: int | None = None) -> int:
         value = self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(self.at(key), f"must be an integer, got {_show(value)}")
+            raise ConfigError(self.at(key), f"must be an integer, got {_show(value, key=key)}")
         if value < minimum or (maximum is not None and value > maximum):
             bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
             raise ConfigError(self.at(key), f"must be {bound}, got {value}")
@@ -265,7 +271,7 @@ class Fields:
                exclusive_minimum: bool = False) -> float:
         value = self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(self.at(key), f"must be a number, got {_show(value)}")  # .inf and .nan too
+            raise ConfigError(self.at(key), f"must be a number, got {_show(value, key=key)}")  # .inf and .nan too
         too_low = value <= minimum if exclusive_minimum else value < minimum
         if too_low or (maximum is not None and value > maximum):
             low = f"> {minimum}" if exclusive_minimum else f">= {minimum}"
@@ -276,20 +282,21 @@ class Fields:
     def boolean(self, key: str, default: bool) -> bool:
         value = self.get(key, default)
         if not isinstance(value, bool):
-            raise ConfigError(self.at(key), f"must be true or false, got {_show(value)}")
+            raise ConfigError(self.at(key), f"must be true or false, got {_show(value, key=key)}")
         return value
 
     def duration(self, key: str, default: float) -> float:
         value = self.get(key, default)
         seconds = parse_duration(value)
         if seconds is None or seconds <= 0:
-            raise ConfigError(self.at(key), f"must be a positive duration like 2s, 500ms or 1.5, got {_show(value)}")
+            raise ConfigError(self.at(key), f"must be a positive duration like 2s, 500ms or 1.5, got "
+                                            f"{_show(value, key=key)}")
         return seconds
 
     def choice(self, key: str, default: str, options: tuple[str, ...] | list[str]) -> str:
         value = self.get(key, default)
         if value not in options:
-            raise ConfigError(self.at(key), f"must be one of {', '.join(options)}; got {_show(value)}")
+            raise ConfigError(self.at(key), f"must be one of {', '.join(options)}; got {_show(value, key=key)}")
         return value
 
     def sub(self, key: str) -> Fields:
@@ -300,7 +307,7 @@ class Fields:
         if value is None:
             value = []
         if not isinstance(value, list):
-            raise ConfigError(self.at(key), f"must be a list, got {_show(value)}")
+            raise ConfigError(self.at(key), f"must be a list, got {_show(value, key=key)}")
         return [(f"{self.at(key)}[{i}]", item) for i, item in enumerate(value)]
 
     def done(self) -> None:
@@ -310,9 +317,32 @@ class Fields:
             raise ConfigError(self.at(str(unknown[0])), f"unknown field (expected one of: {known})")
 
 
-def _show(value: Any) -> str:
-    text = repr(value)
+# Fields that name a secret (passwordEnv, passwordFile, tokenEnv, apiKeysEnv, apiKeysFile, upstreamApiKeyEnv).
+# An error about one names the field but never repeats what was written there: a password pasted by mistake
+# where its variable's name belongs must not land in a log. A value is repeated only once it has proven to be
+# a name or a path (the variable is set, the file was opened).
+SECRET_FIELD = re.compile(r"password|token|secret|apikey", re.IGNORECASE)
+NOT_SHOWN = "(its value is not repeated: this field names a secret)"
+
+
+def _show(value: Any, *, key: str = "") -> str:
+    """A value for an error message: its repr, cut at 60 characters, with a URL's credentials hidden; nothing
+    of it for a field that names a secret (`key`)."""
+    if key and SECRET_FIELD.search(key):
+        return NOT_SHOWN
+    text = repr(_redacted(value))
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _redacted(value: Any) -> Any:
+    """`value` with the credentials of every URL in it hidden (router/redaction.py), nested ones included."""
+    if isinstance(value, str):
+        return redact_url(value)
+    if isinstance(value, list | tuple):
+        return type(value)(_redacted(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _redacted(v) for k, v in value.items()}
+    return value
 
 
 def _address(fields: Fields, key: str, default: Address, env_prefix: str, *, others: tuple[str, ...] = (),
@@ -369,11 +399,11 @@ def _endpoint(path: str, raw: Any) -> Endpoint:
     url = f.string("url").rstrip("/")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f.at("url"), f"must be an http:// or https:// URL with a host, got {url!r}")
+        raise ConfigError(f.at("url"), f"must be an http:// or https:// URL with a host, got {_show(url)}")
     try:
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError:
-        raise ConfigError(f.at("url"), f"has an invalid port: {url!r}") from None
+        raise ConfigError(f.at("url"), f"has an invalid port: {_show(url)}") from None
     models = f.get("models")
     if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
         raise ConfigError(f.at("models"), f"must be a non-empty list of model names, got {_show(models)}")
@@ -588,6 +618,7 @@ def _redis(top: Fields) -> RedisSettings:
     from `passwordEnv` or `passwordFile`, never from this file."""
     sub = top.sub("redis")
     sentinel = _sentinel(sub.sub("sentinel")) if sub.get("sentinel") is not None else None
+    sub.used.add("url")  # a known field whether present or not (the unknown-field error lists it)
     if sub.has("url") or sentinel is not None:
         url = sub.get("url")
         where = sub.at("url")
@@ -608,14 +639,55 @@ def _redis(top: Fields) -> RedisSettings:
         if password is not None or username is not None or cluster:
             raise ConfigError(sub.path, "has connection options but no url or sentinel (Redis is off)")
         return RedisSettings()
-    parts = urlsplit(url) if isinstance(url, str) else None
-    if parts is None or parts.scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(where, f"must be a redis://, rediss:// or unix:// URL, got {_show(url)}")
+    parts = _redis_url(where, url)
     if password is not None and parts.password:
         raise ConfigError(where, "carries a password and redis.passwordEnv/passwordFile gives another: keep one")
-    if cluster and (parts.scheme == "unix" or parts.path not in ("", "/", "/0")):
+    if cluster and (parts.scheme == "unix" or _redis_db(where, parts) != 0):
         raise ConfigError(where, "must be redis:// or rediss:// with database 0 for a cluster")
     return RedisSettings(url=url, cluster=cluster, username=username, password=password, password_source=source)
+
+
+MAX_REDIS_DB = 1023  # as sentinel.db: far above Redis's default 16 databases, and a bound on a typo
+
+
+def _redis_url(where: str, url: Any) -> SplitResult:
+    """A Redis URL checked as redis-py will read it, so that a bad port or database is a config error naming
+    the field, not a traceback when the client is made (a bad port), a failure at the first command (`/-1`)
+    or silently database 0 (`/x`)."""
+    try:
+        parts = urlsplit(url) if isinstance(url, str) else None
+    except ValueError:  # an unclosed IPv6 bracket
+        parts = None
+    if parts is None or parts.scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(where, f"must be a redis://, rediss:// or unix:// URL, got {_show(url)}")
+    try:
+        port = parts.port
+    except ValueError:  # not digits, or above 65535
+        port = 0
+    if port == 0:
+        raise ConfigError(where, f"has an invalid port (want 1 to 65535): {_show(url)}")
+    _redis_db(where, parts)
+    try:  # the query's other connection options (socket_timeout=...), as redis-py parses them
+        parse_redis_url(url)
+    except ValueError as exc:  # its messages name the option, never the URL
+        raise ConfigError(where, f"has an invalid query option: {str(exc).rstrip('.')}") from None
+    return parts
+
+
+def _redis_db(where: str, parts: SplitResult) -> int:
+    """The database a Redis URL selects: `?db=N`, else the path's `/N` (redis:// and rediss://), else 0."""
+    query = parse_qs(parts.query)
+    if "db" in query:
+        raw, what = query["db"][0], "the db query parameter"
+    elif parts.scheme != "unix":
+        raw, what = unquote(parts.path).replace("/", ""), "the database (the URL's path)"
+    else:
+        return 0
+    if raw == "":
+        return 0
+    if not raw.isascii() or not raw.isdigit() or int(raw) > MAX_REDIS_DB:
+        raise ConfigError(where, f"{what} must be an integer from 0 to {MAX_REDIS_DB}, got {raw!r}")
+    return int(raw)
 
 
 def parse_redis(block: Any) -> RedisSettings:
@@ -629,14 +701,14 @@ def _sentinel(f: Fields) -> SentinelSettings:
     for path, item in f.items("addresses"):
         host, _, port = item.rpartition(":") if isinstance(item, str) else ("", "", "")
         host = host.strip("[]")  # [::1]:26379
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not host or "/" in host or "@" in host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(path, f"must be host:port, got {_show(item)}")
         addresses.append((host, int(port)))
     if not addresses:
         raise ConfigError(f.at("addresses"), "must list at least one sentinel as host:port")
     if len(addresses) > 32:
         raise ConfigError(f.at("addresses"), f"lists {len(addresses)} sentinels, at most 32 are allowed")
-    db = f.integer("db", 0, minimum=0, maximum=1023)
+    db = f.integer("db", 0, minimum=0, maximum=MAX_REDIS_DB)
     tls = f.boolean("tls", False)
     password, _ = _secret(f, "password")
     f.done()
@@ -655,10 +727,10 @@ def _secret(f: Fields, name: str) -> tuple[str | None, str | None]:
     if env is not None:
         env = f.string(env_key)
         if not _ENV_NAME.match(env):
-            raise ConfigError(f.at(env_key), f"must be an environment variable name, got {env!r}")
+            raise ConfigError(f.at(env_key), f"must be an environment variable name (letters, digits, _) {NOT_SHOWN}")
         value = os.environ.get(env, "")
         if not value:
-            raise ConfigError(f.at(env_key), f"environment variable {env} is not set or empty")
+            raise ConfigError(f.at(env_key), f"the environment variable it names is not set or empty {NOT_SHOWN}")
         return value, f"${env}"
     if path is not None:
         path = f.string(file_key)
@@ -667,7 +739,7 @@ def _secret(f: Fields, name: str) -> tuple[str | None, str | None]:
                 value = fh.read()
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ConfigError(f.at(file_key), f"cannot read {path!r}: {reason}") from None
+            raise ConfigError(f.at(file_key), f"cannot read the file it names: {reason} {NOT_SHOWN}") from None
         value = value.rstrip("\r\n")  # a Secret mounted as a file, or `echo` into one
         if not value:
             raise ConfigError(f.at(file_key), f"{path!r} is empty")
@@ -922,6 +994,7 @@ def _stall(f: Fields) -> StallSettings:
 def _drain_connections(top: Fields, shutdown_grace: float) -> float:
     """`drainConnections`: 0 (close idle connections at once) up to `shutdownGrace`, which it is part of; by
     default 15 s, or all of a shorter shutdownGrace."""
+    top.used.add("drainConnections")  # a known field whether present or not (the unknown-field error lists it)
     if not top.has("drainConnections"):
         return min(Settings.drain_connections, shutdown_grace)
     value = top.get("drainConnections")

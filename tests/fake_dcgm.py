@@ -71,7 +71,9 @@ def default_fields(util: int = 0, fb_used: int = 0) -> dict[str, float]:
 @dataclass
 class FakeDcgmExporter:
     gpus: list[FakeGpu] = field(default_factory=list)
-    hostname: str = "nvidia-dcgm-exporter-7x2kq"
+    # The Hostname label: $NODE_NAME, which the exporter's chart and recent GPU Operators set to the node's name;
+    # an exporter without it names its own pod (nvidia-dcgm-exporter-7x2kq).
+    hostname: str = "gpu-node-1"
     driver: str = "570.124.06"
     status: int = 200  # answer /metrics with this status
     url: str = ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from typing import Any
 
@@ -718,6 +719,60 @@ def test_classes_without_priorities_rank_by_position_with_a_deprecation_warning(
     assert [(c.name, c.rank) for c in settings.admission.classes] == [("low", 0), ("high", 1), ("normal", 2)]
     (record,) = [r for r in caplog.records if "give each class a priority" in r.getMessage()]
     assert record.getMessage().startswith("policies[0].admission.classes: classes ranked by their order")
+
+
+DEPRECATED_CLASSES = {"policies": [{"name": "chat", "admission": {
+    "maxConcurrentPerEndpoint": 2, "classes": {"high": {"deadline": "5s"}, "low": {}}, "defaultClass": "low"}}]}
+
+
+async def test_the_router_logs_the_deprecation_warning_as_json_like_every_other_line(tmp_path) -> None:
+    # It is written while the config file is parsed, before the file's logging settings apply: held until then.
+    import os
+    import signal
+    import sys
+
+    import yaml
+
+    config = {**DEPRECATED_CLASSES, "listen": {"host": "127.0.0.1", "port": 0}, "admin": {"host": "127.0.0.1", "port": 0},
+              "redis": {"url": None}, "telemetry": {"enabled": False}, "shutdownGrace": "1s"}
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "router", "router", "--config",
+                                                str(tmp_path / "router.yaml"), stderr=asyncio.subprocess.PIPE,
+                                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines = []
+        async with asyncio.timeout(30):
+            while not lines or lines[-1].get("msg") != "router listening":
+                raw = await proc.stderr.readline()
+                assert raw, f"router exited: {lines}"
+                lines.append(json.loads(raw))  # every line is JSON: the warning too
+        (warning,) = [entry for entry in lines if entry.get("deprecated")]
+        assert (warning["level"], warning["logger"]) == ("warning", "fleetroute.admission")
+        assert warning["msg"].startswith("policies[0].admission.classes: classes ranked by their order")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 20)
+
+
+def test_held_records_go_through_the_configured_level(capsys) -> None:
+    from router.logs import HeldRecords, configure_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        held = HeldRecords()
+        parse_settings(DEPRECATED_CLASSES)
+        configure_logging("error")  # `logging: {level: error}`: a warning is not wanted
+        held.replay()
+        assert "classes ranked by their order" not in capsys.readouterr().err
+        held = HeldRecords()
+        parse_settings(DEPRECATED_CLASSES)
+        configure_logging("warning")
+        held.replay()
+        assert json.loads(capsys.readouterr().err)["deprecated"] == "admission.classes without priority"
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
 
 
 @pytest.mark.parametrize(

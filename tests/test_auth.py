@@ -79,15 +79,15 @@ def test_without_auth_config_nothing_is_protected() -> None:
     ("auth_block", "env", "message"),
     [
         ({"apiKeysFile": "/nonexistent/keys"}, {},
-         "auth.apiKeysFile: cannot read API keys from '/nonexistent/keys': No such file or directory"),
-        ({"apiKeysEnv": "FLEET_KEYS"}, {}, "auth.apiKeysEnv: environment variable FLEET_KEYS is not set or empty"),
+         "auth.apiKeysFile: cannot read the file it names: No such file or directory (its value is not repeated"),
+        ({"apiKeysEnv": "FLEET_KEYS"}, {}, "auth.apiKeysEnv: the environment variable it names is not set or empty"),
         ({"apiKeysEnv": "FLEET_KEYS"}, {"FLEET_KEYS": " , \n"}, "$FLEET_KEYS: contains no API keys"),
         ({"apiKeysEnv": "FLEET-KEYS"}, {}, "auth.apiKeysEnv: must be an environment variable name"),
         ({"apiKeysEnv": "FLEET_KEYS"}, {"FLEET_KEYS": "good-key, bad key"},
          "$FLEET_KEYS: key 2 is followed by something other than a flag (a key may be followed by: explain, tenant=<name>)"),
         ({"apiKeysEnv": "FLEET_KEYS"}, {"FLEET_KEYS": "good-key, bad\u00e9key"},
          "$FLEET_KEYS: key 2 contains spaces or non-ASCII characters"),
-        ({"upstreamApiKeyEnv": "ENGINE_KEY"}, {}, "auth.upstreamApiKeyEnv: environment variable ENGINE_KEY is not set"),
+        ({"upstreamApiKeyEnv": "ENGINE_KEY"}, {}, "auth.upstreamApiKeyEnv: the environment variable it names is not set"),
         ({"apiKey": "x"}, {}, "auth.apiKey: unknown field (expected one of: apiKeysEnv, apiKeysFile, upstreamApiKeyEnv)"),
         ("on", {}, "auth: must be a mapping, got 'on'"),
     ],
@@ -110,7 +110,7 @@ def test_an_empty_keys_file_fails_start_up(tmp_path: Path) -> None:
 
 
 def test_an_admin_token_variable_named_in_the_config_must_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError, match=r"\$OPS_TOKEN: is not set or empty \(named by admin.tokenEnv\)"):
+    with pytest.raises(ConfigError, match=r"admin.tokenEnv: the environment variable it names is not set or empty"):
         parse_settings({"admin": {"host": "127.0.0.1", "tokenEnv": "OPS_TOKEN"}})
     monkeypatch.setenv("OPS_TOKEN", ADMIN_TOKEN)
     settings = parse_settings({"admin": {"host": "127.0.0.1", "port": 9999, "tokenEnv": "OPS_TOKEN"}})
@@ -249,6 +249,43 @@ async def test_without_a_token_the_admin_routes_stay_open(make_engine, make_rout
     router = await make_router([engine])
     async with http.get(router.admin_url + "/admin/endpoints") as resp:
         assert resp.status == 200
+
+
+EXPOSED = "the admin listener is reachable from other hosts and has no admin token"
+
+
+@pytest.mark.parametrize(("reachable_elsewhere", "token", "warned"), [
+    (False, None, False),  # loopback: only this host's processes reach it (the default)
+    (True, None, True),
+    (True, ADMIN_TOKEN, False),
+], ids=["loopback", "reachable-without-token", "reachable-with-token"])
+async def test_an_admin_listener_open_to_other_hosts_without_a_token_is_warned_about(
+        make_engine, make_router, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        reachable_elsewhere: bool, token: str | None, warned: bool) -> None:
+    # Tests bind loopback only: a non-loopback admin address (admin.host: 0.0.0.0) is what the check is told.
+    from router import app
+
+    if reachable_elsewhere:
+        monkeypatch.setattr(app, "is_loopback", lambda host: False)
+    if token is None:
+        monkeypatch.delenv("FLEETROUTE_ADMIN_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("FLEETROUTE_ADMIN_TOKEN", token)
+    router = await make_router([await make_engine("gpu-0")])
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.getMessage().startswith(EXPOSED)]
+    assert len(warnings) == (1 if warned else 0)
+    if warned:  # it names the address actually bound (port 0 resolved)
+        assert warnings[0].admin == [router.admin_url.removeprefix("http://")]
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("::ffff:127.0.0.1", True),
+    ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("fe80::1%eth0", False),
+])
+def test_which_admin_addresses_count_as_loopback(host: str, loopback: bool) -> None:
+    from router.app import is_loopback
+
+    assert is_loopback(host) is loopback
 
 
 @pytest.mark.parametrize("token", [None, ADMIN_TOKEN], ids=["no-token", "token"])

@@ -207,6 +207,41 @@ async def test_a_client_over_its_per_address_cap_gets_429_unless_it_is_a_trusted
         w.close()
 
 
+async def test_one_client_cannot_fill_the_admin_listener_and_fail_the_probes(make_engine, make_router, http) -> None:
+    # The admin listener's defaults: 64 connections, 16 per client address. A client at 127.0.0.2 opens all 64;
+    # without the per-client cap it held them all and the kubelet's /healthz (from 127.0.0.1) got 503.
+    engine = await make_engine("gpu-0")
+    router = await make_router([engine])
+    guard = router.connections["admin"]
+    flood = [await asyncio.open_connection("127.0.0.1", int(router.admin_url.rsplit(":", 1)[1]),
+                                           local_addr=("127.0.0.2", 0)) for _ in range(64)]
+    rejected = router.ctx.metrics.client_connections_rejected.labels("admin", "per_client")
+    try:
+        await until(lambda: guard.open + rejected._value.get() == 64, "every flood connection admitted or refused")
+        for _ in range(3):
+            async with http.get(router.admin_url + "/healthz") as resp:
+                assert resp.status == 200
+        assert (guard.open - 1, rejected._value.get()) == (16, 48)  # the flood's 16, and the probes' one
+        # The refused ones were told why (the admitted ones stay silent, waiting for a request).
+        answers = [asyncio.ensure_future(reader.read()) for reader, _ in flood]
+        async with asyncio.timeout(5):
+            refusals = [await answer for _, answer in zip(range(48), asyncio.as_completed(answers), strict=False)]
+        assert all(a.startswith(b"HTTP/1.1 429 Too Many Requests") for a in refusals)
+        for answer in answers:
+            answer.cancel()
+    finally:
+        for _, writer in flood:
+            writer.close()
+
+
+def test_the_admin_per_client_cap_is_configurable() -> None:
+    from router.settings import parse_settings
+
+    assert parse_settings({}).admin.max_connections_per_client == 16
+    assert parse_settings({"admin": {"maxConnectionsPerClient": 0}}).admin.max_connections_per_client == 0
+    assert parse_settings({}).listen.max_connections_per_client == 0  # the ingress: clients behind one NAT
+
+
 def test_the_default_cap_leaves_descriptors_for_the_admin_listener_and_the_engines() -> None:
     # 256 descriptors: 64 for the admin listener, 64 reserved, half the rest (each request may hold a second
     # descriptor, to its engine) for client connections.
@@ -315,3 +350,25 @@ async def test_an_idle_connection_flood_past_the_descriptor_limit_leaves_healthz
         if proc.returncode is None:
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 20)
+
+
+# ---- what the listeners report --------------------------------------------------------------------------------
+
+
+async def test_the_router_reports_the_addresses_its_listeners_are_bound_to(make_engine, make_router, http) -> None:
+    # Port 0 resolved to the port the OS chose; a host name resolved to its addresses (localhost: 127.0.0.1,
+    # and ::1 where IPv6 is up, on a port of its own).
+    router = await make_router([await make_engine("gpu-0")], admin={"host": "localhost", "port": 0})
+    assert ("127.0.0.1", 0) not in router.bound["admin"]
+    assert {host for host, _ in router.bound["admin"]} <= {"127.0.0.1", "::1"}
+    async with http.get(router.admin_url + "/healthz") as resp:
+        assert resp.status == 200
+
+
+def test_a_wildcard_address_is_reported_as_bound_and_reached_over_loopback() -> None:
+    from router.app import _local_url, show_address
+
+    assert show_address("0.0.0.0", 9090) == "0.0.0.0:9090" and show_address("::", 9090) == "[::]:9090"
+    assert _local_url((("0.0.0.0", 9090),)) == "http://127.0.0.1:9090"
+    assert _local_url((("::", 9090),)) == "http://[::1]:9090"
+    assert _local_url((("::1", 9091), ("127.0.0.1", 9092))) == "http://[::1]:9091"

@@ -80,7 +80,17 @@ def test_old_label_names_and_mig_instances() -> None:
             'pod_name="small-1"} 0.750000\n')
     gpus = {g.pod: g for g in parse_dcgm_metrics(text)}
     assert (gpus["small-0"].namespace, gpus["small-0"].uuid, gpus["small-0"].sample.util) == (NS, "GPU-a/7", 0.25)
+    assert gpus["small-0"].hostname == "h"
     assert (gpus["small-1"].uuid, gpus["small-1"].sample.util) == ("GPU-a/8", 0.75)
+
+
+def test_the_exporters_hostname_is_read_under_either_spelling() -> None:
+    exporter = FakeDcgmExporter(gpus=[FakeGpu(0, "GPU-a", default_fields(), pod=(NS, "llama-0", "vllm"))],
+                                hostname="gpu-node-7")
+    assert [g.hostname for g in parse_dcgm_metrics(exporter.render())] == ["gpu-node-7"]
+    lower = exporter.render().replace("Hostname=", "hostname=")
+    assert [g.hostname for g in parse_dcgm_metrics(lower)] == ["gpu-node-7"]
+    assert [g.hostname for g in parse_dcgm_metrics(lower.replace(',hostname="gpu-node-7"', ""))] == [""]
 
 
 def test_a_page_that_is_not_prometheus_text_raises_value_error() -> None:

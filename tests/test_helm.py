@@ -620,9 +620,20 @@ def test_gpu_telemetry_node_agents_find_the_workers_gpus(rendered):
             assert "volumes" not in pod and "runtimeClassName" not in pod
             assert sc["runAsNonRoot"] and sc["runAsUser"] == 10001
             assert args.dcgm_url == values["dcgm"]["url"]
+            assert args.dcgm_hostname_check  # another node's series are left out (worker/node_sources.py)
             assert env["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
             assert env["REDIS_URL"]["valueFrom"]["secretKeyRef"]["name"] == "fleetroute-redis"
             assert not [a for a in agent["args"] if a.startswith("--redis")]
+
+
+def test_the_dcgm_hostname_check_can_be_turned_off_for_an_exporter_that_names_its_pod(helm):
+    from router.cli import build_parser
+
+    values = CHART / "ci" / "gpu-telemetry-dcgm-values.yaml"
+    objs = [d for d in yaml.safe_load_all(_template(helm, "-f", str(values), "--set",
+                                                    "gpuTelemetry.dcgm.checkHostname=false")) if d]
+    (agent,) = _one(objs, "DaemonSet", f"{RELEASE}-fleetroute-gpu-telemetry")["spec"]["template"]["spec"]["containers"]
+    assert build_parser().parse_args(agent["args"]).dcgm_hostname_check is False
 
 
 def _schema_paths(schema: dict, documented: set[str], prefix: str = "") -> tuple[set[str], set[str]]:

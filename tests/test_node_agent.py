@@ -39,8 +39,8 @@ from tests.nvml_fixtures import FakeGpu as FakeNvmlGpu
 from tests.nvml_fixtures import fake_nvml_dir  # noqa: F401 - fixture: the fake driver, compiled once per session
 from tests.redis_server import redis_url  # noqa: F401 - fixture
 from worker.agent import Agent, AgentSettings
-from worker.node_agent import NodeAgent, NodeAgentSettings, build_http_app
-from worker.node_sources import DcgmNodeSource, PodFilter, aggregate
+from worker.node_agent import NodeAgent, NodeAgentSettings, build_http_app, open_source
+from worker.node_sources import PodFilter, aggregate, same_host
 from worker.protocol import (
     GPU_UPDATES_CHANNEL,
     GpuRecord,
@@ -149,11 +149,14 @@ def test_an_endpoints_gpus_aggregate_into_one_reading(samples, expected) -> None
 # ---- the dcgm source, in process ------------------------------------------------------------------------
 
 
-def dcgm_agent(fleet: Fleet, exporter, session, **settings) -> NodeAgent:
+def dcgm_agent(fleet: Fleet, exporter, session, *, node_name: str | None = None, **settings) -> NodeAgent:
+    """A node agent reading `exporter`, on the node the exporter names in its Hostname label (it sets NODE_NAME,
+    as its chart does) unless `node_name` says otherwise."""
     pods = PodFilter(frozenset({fleet.namespace}), frozenset({"vllm"}))
-    node = NodeAgentSettings(source="dcgm", redis=RedisSettings(url=fleet.redis_url), node=unique("gpu-node"), pods=pods,
-                             dcgm_url=exporter.url, interval=1.0, metrics_port=0, **settings)
-    return NodeAgent(node, DcgmNodeSource(session, exporter.url, pods, timeout=1.0), fleet.redis)
+    node = NodeAgentSettings(source="dcgm", redis=RedisSettings(url=fleet.redis_url),
+                             node=node_name or exporter.hostname, pods=pods, dcgm_url=exporter.url, interval=1.0,
+                             metrics_port=0, **settings)
+    return NodeAgent(node, open_source(node, session), fleet.redis)
 
 
 async def test_dcgm_source_gives_each_endpoint_its_own_gpu_numbers(fleet, dcgm_exporter, caplog) -> None:  # noqa: F811
@@ -216,6 +219,54 @@ async def test_dcgm_source_gives_each_endpoint_its_own_gpu_numbers(fleet, dcgm_e
         dcgm_exporter.status = 200
         await node.tick()
         assert "GPU telemetry flowing again" in caplog.text and node.metrics.source_up._value.get() == 1
+
+
+async def test_dcgm_series_collected_on_another_node_are_left_out(fleet, dcgm_exporter, caplog) -> None:  # noqa: F811
+    # --dcgm-url reaches another node's exporter (a Service spreading scrapes over every node's): its pods may
+    # share names with ours, and its GPUs are not theirs. Left out, counted, warned about once.
+    caplog.set_level(logging.INFO, logger="fleetroute")
+    a, b = fleet.pods
+    ns = fleet.namespace
+    dcgm_exporter.gpus = [
+        fake_dcgm.FakeGpu(0, "GPU-00000000-0000-0000-0000-0000000aa000", fake_dcgm.default_fields(util=30), pod=(ns, a, "vllm")),
+        fake_dcgm.FakeGpu(1, "GPU-00000000-0000-0000-0000-0000000bb001", fake_dcgm.default_fields(util=70), pod=(ns, b, "vllm")),
+    ]
+    dcgm_exporter.hostname = "gpu-node-2"
+    async with aiohttp.ClientSession() as session:
+        node = dcgm_agent(fleet, dcgm_exporter, session, node_name="gpu-node-1")
+        for _ in range(3):
+            await node.tick()
+        assert not await fleet.client.exists(gpu_key(a)) and not await fleet.client.exists(gpu_key(b))
+        assert node.metrics.dcgm_other_node_gpus._value.get() == 6  # 2 GPUs x 3 rounds
+        assert (node.metrics.gpus._value.get(), node.metrics.endpoints._value.get()) == (0, 0)
+        warnings = [r for r in caplog.records if r.getMessage().startswith("dcgm-exporter reports GPUs of another host")]
+        assert len(warnings) == 1 and warnings[0].hostnames == ["gpu-node-2"] and warnings[0].node == "gpu-node-1"
+
+        # The scrape lands on this node's exporter (a short host name, as read on the host network): published.
+        dcgm_exporter.hostname = "GPU-NODE-1.cluster.local"
+        await node.tick()
+        assert await fleet.client.exists(gpu_key(a)) and await fleet.client.exists(gpu_key(b))
+        assert node.metrics.endpoints._value.get() == 2 and node.metrics.dcgm_other_node_gpus._value.get() == 6
+
+    # An exporter that names its own pod (no NODE_NAME, as older GPU Operators run it): the check can be turned off.
+    dcgm_exporter.hostname = "nvidia-dcgm-exporter-7x2kq"
+    async with aiohttp.ClientSession() as session:
+        node = dcgm_agent(fleet, dcgm_exporter, session, node_name="gpu-node-1", dcgm_hostname_check=False)
+        await node.tick()
+        assert node.metrics.endpoints._value.get() == 2 and node.metrics.dcgm_other_node_gpus._value.get() == 0
+
+
+@pytest.mark.parametrize(("hostname", "node", "same"), [
+    ("gpu-node-1", "gpu-node-1", True),
+    ("GPU-Node-1", "gpu-node-1", True),
+    ("gpu-node-1", "gpu-node-1.ec2.internal", True),  # the host's short name beside the node's FQDN
+    ("gpu-node-1.ec2.internal.", "gpu-node-1.ec2.internal", True),
+    ("gpu-node-1.a.internal", "gpu-node-1.b.internal", False),
+    ("gpu-node-2", "gpu-node-1", False),
+    ("nvidia-dcgm-exporter-7x2kq", "gpu-node-1", False),
+])
+def test_which_exporter_hostnames_name_this_node(hostname: str, node: str, same: bool) -> None:
+    assert same_host(hostname, node) is same
 
 
 async def test_the_merged_record_is_as_old_as_its_gpu_reading_and_stale_gpu_data_is_dropped(fleet, caplog) -> None:
@@ -408,6 +459,10 @@ async def test_nvml_source_without_a_driver_says_so_and_keeps_trying(fleet, pod_
         pytest.param(["--source", "nvml", "--interval", "0s"], "--interval must be a positive duration", id="interval"),
         pytest.param(["--source", "nvml", "--redis", "http://x"], "--redis: must be a redis://", id="redis-url"),
         pytest.param(["--source", "dcgm", "--dcgm-url", "localhost:9400"], "--dcgm-url must be an http://", id="dcgm-url"),
+        pytest.param(["--source", "dcgm", "--dcgm-url", "ftp://ops:hunter2@dcgm:9400"],
+                     "--dcgm-url must be an http:// or https:// URL with a host, got 'ftp://***@dcgm:9400'", id="dcgm-url-credentials"),
+        pytest.param(["--source", "dcgm", "--dcgm-url", "http://dcgm:99999/metrics"], "--dcgm-url has an invalid port",
+                     id="dcgm-url-port"),
         pytest.param(["--source", "nvml", "--metrics-port", "70000"], "--metrics-port must be 0..65535", id="port"),
     ],
 )
@@ -417,6 +472,7 @@ def test_bad_command_lines_exit_2_with_the_reason(args, message, redis_url) -> N
     argv = [sys.executable, "-m", "router", "node-agent", "--redis", redis_url, *args]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "hunter2" not in proc.stderr  # a URL's credentials are never printed
 
 
 async def test_healthz_fails_when_rounds_stop(fleet, dcgm_exporter) -> None:  # noqa: F811

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +101,28 @@ def test_configure_logging_sets_the_level(level: str) -> None:
     finally:
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
+
+
+def test_every_metric_has_a_row_in_the_architecture_metrics_table() -> None:
+    from router.metrics import RouterMetrics
+    from worker.node_metrics import NodeAgentMetrics
+
+    root = Path(__file__).resolve().parent.parent
+    rows = set(re.findall(r"^\| `(fleetroute_[a-z0-9_]+)`", (root / "docs" / "architecture.md").read_text(), re.M))
+    defined = {m.name + ("_total" if m.type == "counter" else "")
+               for registry in (RouterMetrics().registry, NodeAgentMetrics().registry) for m in registry.collect()}
+    assert defined - rows == set(), "metrics without a row in docs/architecture.md#metrics"
+    # ... and no row for a metric that is gone (the RoutingPolicy controller registers its own when it starts).
+    in_code = {name for path in [*root.glob("router/**/*.py"), *root.glob("worker/**/*.py")]
+               for name in re.findall(r'"(fleetroute_[a-z0-9_]+)"', path.read_text())}
+    assert {row.removesuffix("_total") for row in rows} - in_code == set(), "rows for metrics no code defines"
+
+
+def test_every_error_code_the_router_writes_has_a_row_in_the_architecture_errors_table() -> None:
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "architecture.md").read_text()
+    table = doc[doc.index("## Errors and statuses"):doc.index("### After the headers are sent")]
+    rows = set(re.findall(r"`([a-z_]+)`", " ".join(line.split("|")[2] for line in table.splitlines()
+                                                     if line.startswith("| ") and line.count("|") > 4)))
+    written = {code for path in root.glob("router/**/*.py") for code in re.findall(r'code="([a-z_]+)"', path.read_text())}
+    assert written - rows == set(), "error codes without a row in docs/architecture.md#errors-and-statuses"

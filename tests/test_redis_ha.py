@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -117,19 +118,58 @@ def test_redis_settings_are_read_with_their_secrets(secrets: Path, block: dict[s
     ({"url": "redis://r/0", "passwordEnv": "TEST_REDIS_PASSWORD", "passwordFile": "/x"},
      "redis.passwordFile: give passwordEnv or passwordFile, not both"),
     ({"url": "redis://r/0", "passwordEnv": "NOT_SET_ANYWHERE"},
-     "redis.passwordEnv: environment variable NOT_SET_ANYWHERE is not set or empty"),
+     "redis.passwordEnv: the environment variable it names is not set or empty"),
     ({"url": "redis://r/0", "passwordEnv": "not a name"}, "redis.passwordEnv: must be an environment variable"),
     ({"url": "redis://r/0", "passwordFile": "/nonexistent/password"}, "redis.passwordFile: cannot read"),
     ({"url": None, "passwordEnv": "TEST_REDIS_PASSWORD"}, "redis: has connection options but no url"),
     ({"url": "http://r:6379"}, "redis.url: must be a redis://, rediss:// or unix:// URL"),
     ({"url": "redis://r/0", "password": "inline"}, "redis.password: unknown field"),
+    # A bad port or database: redis-py would raise a traceback making the client, fail the first command
+    # (SELECT -1), or take `/x` silently as database 0.
+    ({"url": "redis://r:99999"}, "redis.url: has an invalid port (want 1 to 65535)"),
+    ({"url": "redis://r:abc/0"}, "redis.url: has an invalid port (want 1 to 65535)"),
+    ({"url": "redis://r:0"}, "redis.url: has an invalid port (want 1 to 65535)"),
+    ({"url": "redis://r/x"}, "redis.url: the database (the URL's path) must be an integer from 0 to 1023, got 'x'"),
+    ({"url": "redis://r/-1"}, "redis.url: the database (the URL's path) must be an integer from 0 to 1023, got '-1'"),
+    ({"url": "unix:///run/redis.sock?db=two"}, "redis.url: the db query parameter must be an integer from 0 to 1023"),
+    ({"url": "redis://r?socket_timeout=soon"}, "redis.url: has an invalid query option: Invalid value for "
+                                              "'socket_timeout'"),
+    ({"url": "redis://[::1"}, "redis.url: must be a redis://, rediss:// or unix:// URL"),
 ], ids=["url-and-sentinel", "no-sentinels", "sentinel-without-port", "no-master-name", "cluster-and-sentinel",
         "cluster-over-unix", "cluster-db-3", "two-passwords", "env-and-file", "unset-variable", "bad-variable-name",
-        "unreadable-file", "options-without-redis", "not-a-redis-url", "a-password-in-the-file"])
+        "unreadable-file", "options-without-redis", "not-a-redis-url", "a-password-in-the-file", "port-too-high",
+        "port-not-a-number", "port-0", "db-not-a-number", "db-negative", "db-query-not-a-number",
+        "bad-query-option", "unclosed-ipv6-bracket"])
 def test_bad_redis_settings_are_named(secrets: Path, block: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_settings({"redis": block})
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("url", ["redis://r:6379/15", "rediss://r:6380", "redis://r:", "redis://[::1]:6379/1",
+                                 "unix:///run/redis.sock?db=2", "redis://r?db=3&socket_timeout=0.5"])
+def test_good_redis_urls_are_kept_as_written(secrets: Path, url: str) -> None:
+    assert parse_settings({"redis": {"url": url}}).redis.url == url
+
+
+def test_a_bad_redis_url_from_the_environment_is_named_too(secrets: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS_URL", "redis://r:65536")
+    with pytest.raises(ConfigError, match=r"^\$REDIS_URL: has an invalid port"):
+        parse_settings({})
+
+
+def fleetroute(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command in its own process (bounded: a command that does not refuse its arguments would run on)."""
+    return subprocess.run([sys.executable, "-m", "router", *args], capture_output=True, text=True, timeout=30)
+
+
+def test_the_router_exits_2_on_a_bad_redis_url(secrets: Path, tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("redis: {url: 'redis://r/x'}\n")
+    result = fleetroute("router", "--config", str(path))
+    assert result.returncode == 2 and result.stderr == (
+        "fleetroute router: config error: redis.url: the database (the URL's path) must be an integer from 0 to "
+        "1023, got 'x'\n")
 
 
 # ---- a password -----------------------------------------------------------------------------------------
@@ -211,13 +251,24 @@ def test_the_agents_redis_flags_mean_what_the_routers_redis_block_means(secrets)
     (("--redis-sentinel", "s-0", "--redis-sentinel-master", "m"), "--redis-sentinel: must be host:port, got 's-0'"),
     (("--redis-sentinel", "s-0:1"), "--redis-sentinel-master: is required"),
     (("--redis", "http://r"), "--redis: must be a redis://, rediss:// or unix:// URL"),
-    (("--redis", "redis://r", "--redis-password-env", "UNSET_HERE"), "--redis-password-env: environment variable"),
+    (("--redis", "redis://r", "--redis-password-env", "UNSET_HERE"), "--redis-password-env: the environment variable"),
     ((), "--redis: is required (or set REDIS_URL, or give --redis-sentinel)"),
-], ids=["sentinel-without-port", "no-master-name", "not-redis", "unset-password-variable", "nothing"])
+    (("--redis", "redis://r:99999"), "--redis: has an invalid port (want 1 to 65535)"),
+    (("--redis", "redis://r/x"), "--redis: the database (the URL's path) must be an integer from 0 to 1023"),
+], ids=["sentinel-without-port", "no-master-name", "not-redis", "unset-password-variable", "nothing", "bad-port",
+        "bad-db"])
 def test_bad_agent_redis_flags_are_named(secrets, flags: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError) as info:
         agent_redis(*flags)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("command", ["agent", "node-agent"])
+def test_the_agents_exit_2_on_a_bad_redis_url(secrets, command: str) -> None:
+    args = ["--engine-url", "http://e:8000", "--endpoint-id", "e"] if command == "agent" else ["--source", "dcgm"]
+    result = fleetroute(command, *args, "--redis", "redis://r:abc")
+    assert result.returncode == 2 and result.stderr == (
+        f"fleetroute {command}: error: --redis: has an invalid port (want 1 to 65535): 'redis://r:abc'\n")
 
 
 # ---- Redis Cluster --------------------------------------------------------------------------------------

@@ -192,8 +192,10 @@ async def test_agent_command_without_a_gpu_driver_publishes_engine_only_telemetr
     env_path.mkdir()
     import os
 
+    # The engine URL carries credentials (aiohttp sends them as Basic auth): the agent's log never shows them.
+    engine_url = engine.url.replace("http://", "http://metrics:hunter2@")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router", "agent", "--engine-url", engine.url, "--redis", redis_url,
+        sys.executable, "-m", "router", "agent", "--engine-url", engine_url, "--redis", redis_url,
         "--endpoint-id", endpoint_id, "--gpu-source", "nvml", "--interval", "200ms",
         stderr=asyncio.subprocess.PIPE, env={**os.environ, "LD_LIBRARY_PATH": str(env_path)},
     )
@@ -208,6 +210,7 @@ async def test_agent_command_without_a_gpu_driver_publishes_engine_only_telemetr
                 assert line, f"agent exited: {lines}"
                 lines.append(line)
         assert any("no GPU telemetry" in line for line in lines)  # one clear line, not a crash loop
+        assert '"engine":"http://***@127.0.0.1:' in lines[-1] and not any("hunter2" in line for line in lines)
         async with asyncio.timeout(10):
             async for message in pubsub.listen():
                 if message["type"] == "message" and message["data"] == endpoint_id:
@@ -219,3 +222,29 @@ async def test_agent_command_without_a_gpu_driver_publishes_engine_only_telemetr
         assert await asyncio.wait_for(proc.wait(), 10) == 0
         await pubsub.aclose()
         await client.aclose()
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("127.0.0.1:8000", "must be an http:// or https:// URL with a host, got '127.0.0.1:8000'"),
+    ("ftp://engine:8000", "must be an http:// or https:// URL with a host"),
+    ("http://:8000", "must be an http:// or https:// URL with a host"),
+    ("http://engine:99999", "has an invalid port (want 1 to 65535), got 'http://engine:99999'"),
+    ("http://engine:0", "has an invalid port (want 1 to 65535)"),
+    ("http://engine:http", "has an invalid port (want 1 to 65535)"),
+    ("http://ops:hunter2@engine:x", "has an invalid port (want 1 to 65535), got 'http://***@engine:x'"),
+], ids=["no-scheme", "not-http", "no-host", "port-too-high", "port-0", "port-not-a-number", "credentials-hidden"])
+def test_a_bad_engine_url_is_an_argparse_error(url: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from router.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["agent", "--engine-url", url, "--endpoint-id", "e"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"fleetroute agent: error: argument --engine-url: {message}" in err
+    assert "hunter2" not in err
+
+
+def test_a_good_engine_url_is_kept_without_its_trailing_slash() -> None:
+    from router.cli import build_parser
+
+    args = build_parser().parse_args(["agent", "--engine-url", "https://[::1]:8443/v/", "--endpoint-id", "e"])
+    assert args.engine_url == "https://[::1]:8443/v"

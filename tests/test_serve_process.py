@@ -48,6 +48,10 @@ async def start_process(tmp_path: Path, engines, workers: int) -> tuple[asyncio.
             raw = await proc.stderr.readline()
             assert raw, "router exited during start-up"
             lines.append(json.loads(raw))
+    for line in lines:  # the log names the addresses the sockets are bound to
+        if line.get("msg") == "router listening":
+            assert (line["ingress"], line["admin"]) == ([f"127.0.0.1:{port}"], [f"127.0.0.1:{admin}"])
+            assert line["policies"] == ["builtin-fallback"]  # no policies configured: the built-in one, by its name
     return proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", lines
 
 

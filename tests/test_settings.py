@@ -190,3 +190,131 @@ def test_non_finite_numbers_are_config_errors_not_failures_at_request_time(polic
     with pytest.raises(ConfigError, match=r"must be a number"):
         parse_settings({"endpoints": [{"id": "a", "url": "http://127.0.0.1:1", "models": ["m"]}],
                         "policies": [{"name": "p", **policy}], "redis": {"url": None}})
+
+
+# ---- secrets never printed ----------------------------------------------------------------------------------
+
+SECRET = "hunter2"
+
+
+@pytest.mark.parametrize(
+    ("config", "env", "message"),
+    [
+        # A URL's credentials are hidden wherever the URL is echoed.
+        ({"redis": {"url": f"redis://:{SECRET}@r:99999/0"}}, {}, "redis.url: has an invalid port (want 1 to 65535): "
+                                                                 "'redis://***@r:99999/0'"),
+        ({"redis": {"url": f"http://fleet:{SECRET}@r:6379"}}, {}, "must be a redis://, rediss:// or unix:// URL, got "
+                                                                  "'http://***@r:6379'"),
+        ({"redis": f"redis://:{SECRET}@r:6379"}, {}, "redis: must be a mapping, got 'redis://***@r:6379'"),
+        ({}, {"REDIS_URL": f"redis://:{SECRET}@r/x"}, "$REDIS_URL: the database (the URL's path) must be an integer"),
+        ({"redis": {"sentinel": {"masterName": "m", "addresses": [f"redis://:{SECRET}@s:26379"]}}}, {},
+         "redis.sentinel.addresses[0]: must be host:port, got 'redis://***@s:26379'"),
+        ({"redis": {"sentinel": {"masterName": "m", "addresses": [f"admin:{SECRET}@s:26379"]}}}, {},
+         "must be host:port, got '***@s:26379'"),
+        ({"endpoints": [{"id": "e", "url": f"ftp://u:{SECRET}@e:8000", "models": ["m"]}]}, {},
+         "endpoints[0].url: must be an http:// or https:// URL with a host, got 'ftp://***@e:8000'"),
+        ({"endpoints": [{"id": "e", "url": f"http://u:{SECRET}@e:99999", "models": ["m"]}]}, {},
+         "endpoints[0].url: has an invalid port: 'http://***@e:99999'"),
+        # A field that names a secret: its value may be the secret itself, pasted by mistake.
+        ({"redis": {"url": "redis://r", "passwordEnv": f"{SECRET}!"}}, {},
+         "redis.passwordEnv: must be an environment variable name (letters, digits, _) (its value is not repeated"),
+        ({"redis": {"url": "redis://r", "passwordEnv": SECRET}}, {},
+         "redis.passwordEnv: the environment variable it names is not set or empty (its value is not repeated"),
+        ({"redis": {"url": "redis://r", "passwordFile": SECRET}}, {},
+         "redis.passwordFile: cannot read the file it names: No such file or directory (its value is not repeated"),
+        ({"redis": {"url": "redis://r", "passwordEnv": 2024}}, {}, "redis.passwordEnv: must be a non-empty string, "
+                                                                   "got (its value is not repeated"),
+        ({"redis": {"sentinel": {"masterName": "m", "addresses": ["s:1"], "passwordEnv": f"{SECRET} x"}}}, {},
+         "redis.sentinel.passwordEnv: must be an environment variable name"),
+        ({"auth": {"apiKeysEnv": f"sk-{SECRET}"}}, {}, "auth.apiKeysEnv: must be an environment variable name"),
+        ({"auth": {"apiKeysFile": f"sk-{SECRET}"}}, {}, "auth.apiKeysFile: cannot read the file it names"),
+        ({"auth": {"upstreamApiKeyEnv": SECRET}}, {}, "auth.upstreamApiKeyEnv: the environment variable it names is "
+                                                      "not set"),
+        ({"admin": {"tokenEnv": SECRET}}, {}, "admin.tokenEnv: the environment variable it names is not set"),
+    ],
+    ids=["redis-url-bad-port", "redis-url-not-redis", "redis-block-a-url", "redis-url-from-env", "sentinel-a-url",
+         "sentinel-user-password", "endpoint-url-not-http", "endpoint-url-bad-port", "password-env-not-a-name",
+         "password-env-unset", "password-file-unreadable", "password-env-a-number", "sentinel-password-env",
+         "api-keys-env", "api-keys-file", "upstream-key-env", "admin-token-env"],
+)
+def test_config_errors_never_print_a_secret(config: dict[str, Any], env: dict[str, str], message: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as info:
+        parse_settings(config)
+    assert message in str(info.value)
+    assert SECRET not in str(info.value) and "2024" not in str(info.value)
+
+
+def test_a_variable_name_or_file_path_is_shown_once_it_proves_to_be_one(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Set or opened, it is a name or a path, not a secret: saying which one is wrong helps the operator.
+    monkeypatch.setenv("ENGINE_KEY", "two words")
+    with pytest.raises(ConfigError, match=r"^\$ENGINE_KEY: must be one token of visible ASCII characters$"):
+        parse_settings({"auth": {"upstreamApiKeyEnv": "ENGINE_KEY"}})
+    (tmp_path / "password").write_text("\n")
+    with pytest.raises(ConfigError, match=f"redis.passwordFile: '{tmp_path}/password' is empty"):
+        parse_settings({"redis": {"url": "redis://r", "passwordFile": str(tmp_path / "password")}})
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("redis://:pw@redis:6379/0", "redis://***@redis:6379/0"),
+        ("rediss://user:pw@redis:6380", "rediss://***@redis:6380"),
+        ("http://u:p@ss/w@rd@engine:8000/v1", "http://***@engine:8000/v1"),  # an unencoded @ or / in a password
+        ("redis://redis:6379/0", "redis://redis:6379/0"),
+        ("user:pw@sentinel:26379", "***@sentinel:26379"),
+        ("model@v2", "model@v2"),  # not an address: nothing to hide
+        ("unix:///run/redis.sock", "unix:///run/redis.sock"),
+    ],
+)
+def test_redact_url_hides_userinfo_only(text: str, shown: str) -> None:
+    from router.redaction import redact_url
+
+    assert redact_url(text) == shown
+
+
+def test_the_help_names_the_builtin_policy_as_the_code_does() -> None:
+    from router.cli import ROUTER_EPILOG
+    from router.settings import FALLBACK_POLICY
+
+    assert f'the built-in "{FALLBACK_POLICY}"' in ROUTER_EPILOG and 'built-in "default"' not in ROUTER_EPILOG
+
+
+def test_the_helps_redis_fields_are_the_ones_the_parser_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    from router.cli import ROUTER_EPILOG
+
+    block = ROUTER_EPILOG[ROUTER_EPILOG.index("  redis: "):ROUTER_EPILOG.index("  logging: ")]
+    sentinel_fields = set(re.findall(r"sentinel\.(\w+)", block)) | {"passwordEnv"}
+    assert sentinel_fields == {"passwordEnv", "passwordFile"}
+    (tmp_path / "pw").write_text("s\n")
+    monkeypatch.setenv("SENTINEL_PW", "s")
+    for field, value in (("passwordEnv", "SENTINEL_PW"), ("passwordFile", str(tmp_path / "pw"))):
+        sentinel = {"masterName": "m", "addresses": ["s:26379"], "db": 0, "tls": False, field: value}
+        assert parse_settings({"redis": {"sentinel": sentinel}}).redis.sentinel.password == "s"
+
+
+def test_an_unknown_top_level_field_error_lists_every_top_level_field() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_settings({"drainConection": "1s"})
+    assert str(info.value) == (
+        "drainConection: unknown field (expected one of: admin, auth, control, discovery, drainConnections, endpoints, "
+        "explain, limits, listen, logging, policies, redis, shutdownGrace, telemetry, workers)")
+
+
+def test_an_unknown_redis_field_error_lists_url() -> None:
+    with pytest.raises(ConfigError, match=r"^redis.ur: unknown field \(expected one of: cluster, passwordEnv, "
+                                          r"passwordFile, sentinel, url, username\)$"):
+        parse_settings({"redis": {"ur": "redis://r"}})
+
+
+def test_the_example_config_loads_and_each_of_its_policies_routes_a_served_model() -> None:
+    settings = load_settings(str(Path(__file__).resolve().parent.parent / "examples" / "router.yaml"))
+    served = {model for endpoint in settings.endpoints for model in endpoint.models}
+    routed = {next(p.name for p in settings.policies if p.matches(model)) for model in served}
+    assert routed == {p.name for p in settings.policies}  # no policy shadowed by an earlier one, none idle

@@ -26,10 +26,12 @@ import signal
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import aiohttp
 from redis.exceptions import RedisError
 
+from router.redaction import redact_url
 from worker.collect import EngineCollector, GpuSampler, SimGpuSampler
 from worker.node_gpu import NodeGpuReader, merge
 from worker.publisher import RedisPublisher
@@ -133,7 +135,7 @@ async def run_agent(settings: AgentSettings) -> None:
     client = connect(settings.redis, timeout=settings.timeout)
     async with aiohttp.ClientSession() as session:
         agent = Agent(settings, session, client)
-        log.info("agent started", extra={"endpoint": settings.endpoint_id, "engine": settings.engine_url,
+        log.info("agent started", extra={"endpoint": settings.endpoint_id, "engine": redact_url(settings.engine_url),
                                          "interval_s": settings.interval, "redis": settings.redis.describe()})
         task = asyncio.create_task(agent.run())
         stop = asyncio.Event()
@@ -171,12 +173,38 @@ def add_redis_arguments(p: argparse.ArgumentParser) -> None:
                    "file")
 
 
+def http_url_problem(text: str) -> str | None:
+    """Why `text` is not a usable http(s) base URL (scheme, host, port 1-65535), or None; without credentials."""
+    try:
+        parts = urlsplit(text)
+    except ValueError:  # an unclosed IPv6 bracket
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"must be an http:// or https:// URL with a host, got {redact_url(text)!r}"
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or above 65535
+        port = 0
+    if port == 0:
+        return f"has an invalid port (want 1 to 65535), got {redact_url(text)!r}"
+    return None
+
+
+def engine_url(text: str) -> str:
+    """argparse type of --engine-url: checked at once (exit 2), not at the first scrape."""
+    problem = http_url_problem(text.strip())
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text.strip().rstrip("/")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("agent", help="run the telemetry sidecar beside one engine (vLLM metrics + GPU -> Redis)",
                        description="Sample the engine's /metrics and its GPU every interval and publish one "
                        "telemetry record to Redis for the routers (schema: worker/protocol.py, docs/telemetry.md). "
                        "On Kubernetes the GPU numbers come from the node agent (--gpu-source node).")
-    p.add_argument("--engine-url", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--engine-url", required=True, type=engine_url,
+                   help="the engine's base URL (http or https, a host, a port 1-65535), e.g. http://127.0.0.1:8000")
     add_redis_arguments(p)
     p.add_argument("--endpoint-id", required=True, help="the endpoint id routers know this engine by")
     p.add_argument("--gpu-source", choices=GPU_SOURCES, default="nvml",
@@ -200,14 +228,12 @@ def main(args: argparse.Namespace) -> int:
     interval = parse_duration(args.interval)
     if interval is None or interval <= 0:
         return fail(f"--interval must be a positive duration like 1s or 500ms, got {args.interval!r}")
-    if not args.engine_url.startswith(("http://", "https://")):
-        return fail(f"--engine-url must be an http:// or https:// URL, got {args.engine_url!r}")
     try:
         redis = redis_settings(args)
     except ConfigError as exc:
         return fail(str(exc))
     configure_logging("info")
-    settings = AgentSettings(engine_url=args.engine_url.rstrip("/"), redis=redis,
+    settings = AgentSettings(engine_url=args.engine_url, redis=redis,
                              endpoint_id=args.endpoint_id, gpu_source=args.gpu_source, gpu_index=args.gpu_index,
                              interval=interval)
     run_event_loop(run_agent(settings))

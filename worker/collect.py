@@ -16,6 +16,7 @@ from typing import Protocol
 
 import aiohttp
 
+from router.redaction import redact_url
 from worker.protocol import EngineSample, GpuSample, TelemetryRecord
 from worker.vllm_metrics import parse_vllm_metrics
 
@@ -60,7 +61,7 @@ class SimGpuSampler:
                 resp.raise_for_status()
                 return gpu_sample_from_sim(await resp.json())
         except (TimeoutError, aiohttp.ClientError, KeyError, TypeError, ValueError) as exc:
-            log.debug("sim GPU sample failed", extra={"url": self._url, "error": repr(exc)})
+            log.debug("sim GPU sample failed", extra={"url": redact_url(self._url), "error": redact_url(repr(exc))})
             return GpuSample()
 
     def close(self) -> None:
@@ -103,7 +104,8 @@ class EngineCollector:
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             if not self.engine_failing:  # the first failure of a run, not every interval
                 log.warning("engine metrics unreachable",
-                            extra={"endpoint": self.endpoint_id, "url": self._metrics_url, "error": repr(exc)})
+                            extra={"endpoint": self.endpoint_id, "url": redact_url(self._metrics_url),
+                                   "error": redact_url(repr(exc))})
             self.engine_failing = True
             return EngineSample(up=False)
         if self.engine_failing:

@@ -13,8 +13,11 @@ With its Kubernetes mapping on (DCGM_EXPORTER_KUBERNETES=true, the default of it
 Operator) it asks the kubelet's PodResources API which pod holds which GPU and adds `pod`, `namespace` and
 `container` to that GPU's series (`pod_name`, `pod_namespace`, `container_name` with --use-old-namespace;
 `uuid` instead of `UUID` too). A GPU no pod holds carries no pod labels. MIG instances add `GPU_I_PROFILE`
-and `GPU_I_ID`. Releases before 4.5.3 name the exporter's host `Hostname`, later ones `hostname`; it is not
-read here.
+and `GPU_I_ID`. `Hostname` (`hostname` on some series and releases; both are read) names where the series
+were collected (internal/pkg/hostname): `$NODE_NAME` where the exporter's pod sets it (its chart does, and
+the GPU Operator's recent releases; the Kubernetes node name), else the container's host name (the exporter
+pod's name, or the node's host name on the host network), or the remote host engine's address. The node
+agent checks it against its own node (worker/node_sources.py).
 
 Fields read (etc/default-counters.csv and etc/dcp-metrics-included.csv, the GPU Operator's set):
 
@@ -74,6 +77,7 @@ class DcgmGpu:
     uuid: str  # the GPU's UUID; a MIG instance is "<GPU UUID>/<GPU_I_ID>"
     sample: GpuSample
     last_xid: int | None  # DCGM_FI_DEV_XID_ERRORS: the code of the last XID, 0 (or None) before any
+    hostname: str = ""  # the exporter's Hostname label: where it collected this GPU; "" when absent
 
 
 def _label(labels: dict[str, str], *names: str) -> str:
@@ -100,7 +104,7 @@ def parse_dcgm_metrics(text: str) -> list[DcgmGpu]:
     """Every (GPU, pod, container) on the page, with its fields; a GPU no pod holds has pod "".
 
     Raises ValueError if the page is not Prometheus text."""
-    series: dict[tuple[str, str, str, str], dict[str, float]] = {}
+    series: dict[tuple[str, str, str, str, str], dict[str, float]] = {}
     for family in text_string_to_metric_families(_wanted_lines(text)):
         for sample in family.samples:
             if sample.name not in FIELDS:
@@ -113,13 +117,13 @@ def parse_dcgm_metrics(text: str) -> list[DcgmGpu]:
             if labels.get("GPU_I_ID"):
                 uuid = f"{uuid}/{labels['GPU_I_ID']}"
             key = (_label(labels, "namespace", "pod_namespace"), pod,
-                   _label(labels, "container", "container_name"), uuid)
+                   _label(labels, "container", "container_name"), uuid, _label(labels, "Hostname", "hostname"))
             if sample.value == sample.value and 0 <= sample.value < BLANK:  # NaN, negatives, blanks: absent
                 series.setdefault(key, {})[sample.name] = sample.value
             else:
                 series.setdefault(key, {})
-    return [DcgmGpu(namespace, pod, container, uuid, _sample(fields), _int(fields.get(XID)))
-            for (namespace, pod, container, uuid), fields in series.items()]
+    return [DcgmGpu(namespace, pod, container, uuid, _sample(fields), _int(fields.get(XID)), hostname)
+            for (namespace, pod, container, uuid, hostname), fields in series.items()]
 
 
 def _int(value: float | None) -> int | None:

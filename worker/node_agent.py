@@ -39,7 +39,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from worker.agent import add_redis_arguments, redis_settings
+from router.redaction import redact_url
+from worker.agent import add_redis_arguments, http_url_problem, redis_settings
 from worker.node_metrics import NodeAgentMetrics
 from worker.node_sources import (
     NODE_SOURCES,
@@ -72,6 +73,7 @@ class NodeAgentSettings:
     pods: PodFilter = PodFilter()
     pod_resources_socket: str = DEFAULT_SOCKET
     dcgm_url: str = DEFAULT_DCGM_URL
+    dcgm_hostname_check: bool = True  # leave out dcgm-exporter series whose Hostname names another node
     interval: float = 1.0
     timeout: float = 1.0
     metrics_host: str = "0.0.0.0"
@@ -84,7 +86,8 @@ class NodeAgentSettings:
 
 def open_source(settings: NodeAgentSettings, session: aiohttp.ClientSession) -> NodeSource:
     if settings.source == "dcgm":
-        return DcgmNodeSource(session, settings.dcgm_url, settings.pods, timeout=settings.timeout)
+        return DcgmNodeSource(session, settings.dcgm_url, settings.pods, timeout=settings.timeout,
+                              node=settings.node if settings.dcgm_hostname_check else None)
     from worker.podresources import PodResourcesClient  # gRPC: loaded only by the nvml source
 
     return NvmlNodeSource(PodResourcesClient(settings.pod_resources_socket, timeout=settings.timeout),
@@ -142,6 +145,8 @@ class NodeAgent:
                 return
             m.source_up.set(1)
             m.gpus.set(self.source.gpus)
+            if self.source.other_node_gpus:
+                m.dcgm_other_node_gpus.inc(self.source.other_node_gpus)
             records = self._records(self._clock(), endpoints)
             ids = {r.endpoint_id for r in records}
             gone = self._published - ids
@@ -223,7 +228,8 @@ async def run_node_agent(settings: NodeAgentSettings) -> None:
             "namespaces": sorted(settings.pods.namespaces) or "all",
             "containers": sorted(settings.pods.containers) or "any",
             "pod_resources": settings.pod_resources_socket if settings.source == "nvml" else None,
-            "dcgm_url": settings.dcgm_url if settings.source == "dcgm" else None,
+            "dcgm_url": redact_url(settings.dcgm_url) if settings.source == "dcgm" else None,
+            "dcgm_hostname_check": settings.dcgm_hostname_check if settings.source == "dcgm" else None,
             "metrics_port": settings.metrics_port or None})
         task = asyncio.create_task(agent.run())
         stop = asyncio.Event()
@@ -265,6 +271,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help=f"the kubelet's PodResources socket (source nvml; default {DEFAULT_SOCKET})")
     p.add_argument("--dcgm-url", default=DEFAULT_DCGM_URL,
                    help=f"this node's dcgm-exporter metrics URL (source dcgm; default {DEFAULT_DCGM_URL})")
+    p.add_argument("--dcgm-hostname-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="leave out series whose Hostname label names another node than --node-name (default on; "
+                   "turn off for an exporter that names its own pod instead, as older GPU Operators' do)")
     p.add_argument("--interval", default="1s", help="sampling interval, e.g. 1s or 500ms (default 1s)")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address of /metrics and /healthz (default 0.0.0.0)")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
@@ -288,15 +297,16 @@ def main(args: argparse.Namespace) -> int:
         redis = redis_settings(args)
     except ConfigError as exc:
         return fail(str(exc))
-    if args.source == "dcgm" and not args.dcgm_url.startswith(("http://", "https://")):
-        return fail(f"--dcgm-url must be an http:// or https:// URL, got {args.dcgm_url!r}")
+    if args.source == "dcgm" and (problem := http_url_problem(args.dcgm_url)) is not None:
+        return fail(f"--dcgm-url {problem}")
     if not 0 <= args.metrics_port <= 65535:
         return fail(f"--metrics-port must be 0..65535, got {args.metrics_port}")
     configure_logging("info")
     settings = NodeAgentSettings(
         source=args.source, redis=redis, node=args.node_name,
         pods=PodFilter(frozenset(args.namespace), frozenset(args.container)),
-        pod_resources_socket=args.pod_resources_socket, dcgm_url=args.dcgm_url, interval=interval,
+        pod_resources_socket=args.pod_resources_socket, dcgm_url=args.dcgm_url,
+        dcgm_hostname_check=args.dcgm_hostname_check, interval=interval,
         timeout=min(1.0, interval), metrics_host=args.metrics_host, metrics_port=args.metrics_port)
     try:
         run_event_loop(run_node_agent(settings))

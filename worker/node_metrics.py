@@ -43,6 +43,12 @@ class NodeAgentMetrics:
             "fleetroute_node_agent_endpoints", "Endpoints (fleet pods holding GPUs) the last round published.",
             registry=r,
         )
+        self.dcgm_other_node_gpus = Counter(
+            "fleetroute_node_agent_dcgm_other_node_gpus",
+            "GPU readings from dcgm-exporter left out because their Hostname label names another node (one per "
+            "GPU per round): --dcgm-url reaches another node's exporter, or the exporter does not set NODE_NAME.",
+            registry=r,
+        )
         self.endpoints_gpu_lost = Gauge(
             "fleetroute_node_agent_endpoints_gpu_lost",
             "Endpoints the last round published with a lost GPU (fallen off the bus).",

@@ -14,7 +14,11 @@ pods), so the endpoint id is the pod's name.
   (worker/dcgm_metrics.py). It needs no GPU access, socket or privilege of its own. DCGM reports only the
   code of the last XID error, so XIDs are counted as changes of that code between scrapes (the same code
   twice in a row is seen once), and a GPU is reported lost while its last XID is 79 ("fallen off the
-  bus"): DCGM keeps that code until another XID or until its host engine restarts.
+  bus"): DCGM keeps that code until another XID or until its host engine restarts. Series whose `Hostname`
+  names another node are left out (counted, and warned about once): a URL that reaches another node's
+  exporter (a Service without `internalTrafficPolicy: Local` spreads scrapes over every node's) would
+  otherwise publish that node's GPUs for pods that only share a name with ours, or records for pods this
+  node does not run.
 
 Which pods: only those of the given namespaces (the router's) and, where given, whose GPU-holding
 container has one of the given names (the chart's engine container is `vllm`); other GPU pods of the node
@@ -41,6 +45,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
+from router.redaction import redact_url
 from worker.dcgm_metrics import parse_dcgm_metrics
 from worker.protocol import GpuSample
 
@@ -90,6 +95,11 @@ class NodeSource(Protocol):
     @property
     def gpus(self) -> int:
         """GPUs the source showed on the node in its last read."""
+        ...
+
+    @property
+    def other_node_gpus(self) -> int:
+        """GPU readings the last read left out because they were collected on another node."""
         ...
 
     async def read(self) -> list[EndpointGpus]:
@@ -152,6 +162,7 @@ class NvmlNodeSource:
     """Every GPU of the node through NVML, mapped to pods by the kubelet's PodResources API."""
 
     name = "nvml"
+    other_node_gpus = 0  # NVML sees this node's GPUs only
 
     def __init__(self, pod_resources: PodResourcesClient, pods: PodFilter) -> None:
         self._pod_resources = pod_resources
@@ -237,19 +248,33 @@ class NvmlNodeSource:
         await self._pod_resources.close()
 
 
+def same_host(hostname: str, node: str) -> bool:
+    """Whether dcgm-exporter's `Hostname` names this node: the same name, ignoring case, or the same host with
+    and without its domain (`gpu-1` and `gpu-1.cluster.local`: a host name read on the host network)."""
+    a, b = hostname.lower().rstrip("."), node.lower().rstrip(".")
+    if a == b:
+        return True
+    return ("." not in a or "." not in b) and a.split(".", 1)[0] == b.split(".", 1)[0]
+
+
 class DcgmNodeSource:
     """The node's dcgm-exporter, whose series already carry the pod, namespace and container of each GPU."""
 
     name = "dcgm"
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, pods: PodFilter, *, timeout: float) -> None:
+    def __init__(self, session: aiohttp.ClientSession, url: str, pods: PodFilter, *, timeout: float,
+                 node: str | None = None) -> None:
         self._session = session
         self.url = url
+        self._shown_url = redact_url(url)  # for messages: without credentials
         self._pods = pods
+        self._node = node  # this node's name: series collected elsewhere are left out; None: no check
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._last_xid: dict[str, int] = {}  # GPU -> the last XID code seen
         self._xids: dict[str, int] = {}  # GPU -> XIDs seen since start
+        self._warned_other_node = False
         self.gpus = 0
+        self.other_node_gpus = 0
 
     async def read(self) -> list[EndpointGpus]:
         try:
@@ -257,11 +282,26 @@ class DcgmNodeSource:
                 resp.raise_for_status()
                 text = await resp.text()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise SourceUnavailable("dcgm", f"dcgm-exporter at {self.url}: {type(exc).__name__}: {exc}") from exc
+            raise SourceUnavailable("dcgm", f"dcgm-exporter at {self._shown_url}: {type(exc).__name__}: "
+                                            f"{redact_url(str(exc))}") from exc
         try:
             gpus = parse_dcgm_metrics(text)
         except ValueError as exc:
-            raise SourceUnavailable("dcgm", f"dcgm-exporter at {self.url} answered no Prometheus text: {exc}") from exc
+            raise SourceUnavailable("dcgm", f"dcgm-exporter at {self._shown_url} answered no Prometheus text: "
+                                            f"{exc}") from exc
+        here = [g for g in gpus if self._node is None or not g.hostname or same_host(g.hostname, self._node)]
+        self.other_node_gpus = len(gpus) - len(here)
+        if self.other_node_gpus and not self._warned_other_node:
+            self._warned_other_node = True
+            elsewhere = sorted({g.hostname for g in gpus} - {g.hostname for g in here})
+            log.warning("dcgm-exporter reports GPUs of another host; leaving them out (every round, counted in "
+                        "fleetroute_node_agent_dcgm_other_node_gpus_total)",
+                        extra={"node": self._node, "hostnames": elsewhere[:8], "url": self._shown_url,
+                               "hint": "does --dcgm-url reach this node's own exporter (a Service needs "
+                                       "internalTrafficPolicy: Local)? Does the exporter set NODE_NAME (its chart "
+                                       "does; older GPU Operators' name the exporter pod instead)? If it is this "
+                                       "node's, --no-dcgm-hostname-check turns the check off"})
+        gpus = here
         self.gpus = len({g.uuid for g in gpus})
         held: dict[tuple[str, str], dict[str, GpuSample]] = {}
         for gpu in gpus:

@@ -45,6 +45,7 @@ from router.explain import Decision, summarise
 from router.handlers import get_decision
 from router.logs import RateLimitedLog
 from router.model import EndpointState
+from router.redaction import redact_url
 from router.request_body import BodyRejected, expect_handler, read_body
 from router.status.history import INTERVAL, LATENCY_SAMPLES, LATENCY_WINDOW, POINTS, RATE_WINDOW, ClassCounts
 from router.status.sessions import COOKIE, CSRF_HEADER, PREFIX, BrowserSessions
@@ -242,7 +243,7 @@ def build_feed(ctx: RouterContext, *, since: int | None = None) -> dict[str, Any
             t = view.telemetry
             entry: dict[str, Any] = {
                 "id": view.id,
-                "url": view.endpoint.url,
+                "url": redact_url(view.endpoint.url),
                 "weight": view.endpoint.weight,
                 "state": view.state.value,
                 "excluded": excluded,
