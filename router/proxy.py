@@ -108,13 +108,16 @@ def _strip(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[
 
 def upstream_headers(
     request: web.Request, request_id: str, credentials: Callable[[CIMultiDict[str]], None] | None = None,
-    forwarding: Forwarding | None = None,
+    forwarding: Forwarding | None = None, trace: Mapping[str, str] | None = None,
 ) -> CIMultiDict[str]:
     headers = _strip(request.headers, _NOT_FORWARDED_UP)
     if credentials is not None:
         credentials(headers)  # router.auth: drop the client's key, or send the engines' instead
     (forwarding or Forwarding()).rewrite(request, headers)
     headers["X-Request-Id"] = request_id
+    if trace:  # the attempt's W3C trace context (router/tracing.py) replaces the client's
+        for name, value in trace.items():
+            headers[name] = value
     return headers
 
 
@@ -147,6 +150,8 @@ class Proxy:
         streamed: bool = False,
         counter: OutputCounter | None = None,
         extra_headers: Mapping[str, str] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        on_first_byte: Callable[[], None] | None = None,
     ) -> Outcome:
         """Send `body` to `view` and stream the answer to the client.
 
@@ -157,6 +162,8 @@ class Proxy:
         expects the endpoint to compute (pending until the first byte, which times the endpoint when `streamed`);
         `counter` sees every chunk.
         `extra_headers` go on the streamed response, before its first byte (a routing explanation).
+        `trace_headers` (a traced request: its attempt's `traceparent`) go upstream; `on_first_byte` is called once,
+        at the answer's first body byte.
         """
         loop = asyncio.get_running_loop()
         endpoint_id = view.id
@@ -172,7 +179,8 @@ class Proxy:
                         # aiohttp warns (ResourceWarning) about bytes bodies over 1 MiB and wants them as a stream,
                         # which it writes in 64 KiB pieces, yielding between them.
                         data=body if len(body) <= LARGE_BODY else io.BytesIO(body),
-                        headers=upstream_headers(request, request_id, self._credentials, self._forwarding),
+                        headers=upstream_headers(request, request_id, self._credentials, self._forwarding,
+                                                 trace_headers),
                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect),
                         allow_redirects=False,
                     )
@@ -207,7 +215,7 @@ class Proxy:
                     upstream.close()
                     raise UpstreamFailed("http_5xx", f"endpoint {endpoint_id} answered {upstream.status}")
             return await self._stream(request, upstream, endpoint_id, request_id, timeouts, started, loop, deadline,
-                                      counter, booked, extra_headers)
+                                      counter, booked, extra_headers, on_first_byte)
 
     async def _stream(
         self,
@@ -222,6 +230,7 @@ class Proxy:
         counter: OutputCounter | None,
         booked: Prefill | None,
         extra_headers: Mapping[str, str] | None = None,
+        on_first_byte: Callable[[], None] | None = None,
     ) -> Outcome:
         # The engine's reason phrase is not passed on: it means nothing (RFC 9112 section 4) and it is bytes
         # from the engine on the status line (aiohttp < 3.13.4 let a CR/LF in it inject headers).
@@ -254,6 +263,8 @@ class Proxy:
                         if booked is not None:  # only a stream's first token times prefill; an error is at once
                             self._loads.prefill_done(
                                 booked, timed=upstream.status < 400 and upstream.content_type == "text/event-stream")
+                        if on_first_byte is not None:
+                            on_first_byte()
                     outcome.chunks += 1
                     if counter is not None:
                         counter.feed(chunk)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # parsed by their own modules, which build on this one's fiel
     from router.control import ControlSettings
     from router.explain import ExplainSettings
     from router.tenants import TenancySettings
+    from router.tracing import TracingSettings
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_ADMIN_CONNECTIONS = 64  # kubelet probes and a few Prometheus scrapers need a handful
@@ -216,6 +217,7 @@ class Settings:
     control: ControlSettings | None = None  # router.control: RoutingPolicy resources; None: file policies only
     explain: ExplainSettings | None = None  # router.explain: sampling and recent decisions; None: the defaults
     tenancy: TenancySettings | None = None  # router.tenants: tenants, fair sharing, budgets; None: no tenants
+    tracing: TracingSettings | None = None  # router.tracing: OpenTelemetry spans and export; None: off
 
 
 class Fields:
@@ -877,6 +879,9 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     from router.explain import parse_explain  # here, not on top: router.explain builds on this module
 
     explain = parse_explain(top.sub("explain")) if top.get("explain") is not None else None
+    from router.tracing import parse_tracing  # here, not on top: router.tracing builds on this module
+
+    tracing = parse_tracing(top.sub("tracing")) if top.get("tracing") is not None else None
     top.done()
     return Settings(
         listen=listen,
@@ -898,6 +903,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         control=control,
         explain=explain,
         tenancy=tenancy,
+        tracing=tracing,
     )
 
 

@@ -1,0 +1,291 @@
+"""OpenTelemetry tracing (router/tracing.py): W3C trace context reaches the engine, spans arrive with the right
+parents (in process and over real OTLP/HTTP), tracing is off by default, and a TTFT exemplar links to the trace."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import random
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from router.access_log import AccessLog
+from router.app import RunningRouter, build_context, start_router
+from router.settings import ConfigError, parse_settings
+from tests.conftest import MODEL, router_config
+from tests.fake_engine import FakeEngine
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_PARENT = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"  # sampled
+
+
+def _traceparent(engine: FakeEngine, index: int = -1) -> tuple[str, str, str] | None:
+    """(trace id, parent span id, flags) of the traceparent an engine received, or None."""
+    headers = {k.lower(): v for k, v in engine.requests[index]["headers"].items()}
+    value = headers.get("traceparent")
+    if value is None:
+        return None
+    version, trace_id, parent, flags = value.split("-")
+    assert version == "00"
+    return trace_id, parent, flags
+
+
+def _hex(span_id: int) -> str:
+    return f"{span_id:016x}"
+
+
+def _by_name(spans: list[ReadableSpan]) -> dict[str, list[ReadableSpan]]:
+    out: dict[str, list[ReadableSpan]] = {}
+    for span in spans:
+        out.setdefault(span.name, []).append(span)
+    return out
+
+
+@pytest.fixture
+async def traced() -> AsyncIterator[Any]:
+    """Start routers whose spans go to an InMemorySpanExporter (the test hook), closed after the test."""
+    started: list[RunningRouter] = []
+
+    async def start(engines: list[FakeEngine], tracing: dict[str, Any] | None = None,
+                    exporter: InMemorySpanExporter | None = None, **overrides: Any) -> RunningRouter:
+        config = router_config(engines, **overrides)
+        if tracing is not None:
+            config["tracing"] = tracing
+        ctx = build_context(parse_settings(config), rng=random.Random(7), span_exporter=exporter)
+        running = await start_router(ctx)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        await running.close()
+
+
+async def test_traceparent_reaches_the_engine_under_the_attempt_span_and_spans_link_up(
+        make_engine, traced, http) -> None:
+    engine = await make_engine("gpu-0")
+    exporter = InMemorySpanExporter()
+    policy = {"name": "main", "models": ["*"], "strategy": "least-connections",
+              "admission": {"maxConcurrentPerEndpoint": 4}}
+    router = await traced([engine], {"enabled": True}, exporter, policies=[policy])
+    async with http.post(router.ingress_url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                         headers={"traceparent": TRACEPARENT, "tracestate": "vendor=abc"}) as resp:
+        assert resp.status == 200
+        await resp.read()
+    spans = _by_name(list(exporter.get_finished_spans()))
+    (server,) = spans["POST /v1/chat/completions"]
+    (admission,) = spans["admission"]
+    (pick,) = spans["pick"]
+    (attempt,) = spans["attempt"]
+    # The client's trace is continued: same trace id, the client's span is the server span's parent.
+    assert _hex(server.parent.span_id) == CLIENT_PARENT and server.parent.is_remote
+    assert server.kind == SpanKind.SERVER and attempt.kind == SpanKind.CLIENT
+    for child in (admission, pick, attempt):
+        assert f"{child.context.trace_id:032x}" == CLIENT_TRACE
+        assert child.parent.span_id == server.context.span_id
+    # The engine sees the client's trace, with the attempt's span as its parent; the client's tracestate is kept.
+    assert _traceparent(engine) == (CLIENT_TRACE, _hex(attempt.context.span_id), "01")
+    assert {k.lower(): v for k, v in engine.requests[-1]["headers"].items()}["tracestate"] == "vendor=abc"
+    # The decision summary on the pick, the attempt's outcome and first byte, the end on the server span.
+    assert pick.attributes["fleetroute.policy"] == "main"
+    assert pick.attributes["fleetroute.strategy"] == "least-connections"
+    assert pick.attributes["fleetroute.endpoint"] == "gpu-0" and pick.attributes["fleetroute.pick.reason"]
+    assert admission.attributes["fleetroute.admission.outcome"] == "admitted"
+    assert attempt.attributes["fleetroute.endpoint"] == "gpu-0"
+    assert attempt.attributes["fleetroute.outcome"] == "answered"
+    assert attempt.attributes["http.response.status_code"] == 200
+    assert [e.name for e in attempt.events] == ["first_byte"]
+    assert attempt.start_time <= attempt.events[0].timestamp <= attempt.end_time
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.attributes["fleetroute.endpoint"] == "gpu-0" and server.attributes["gen_ai.request.model"] == MODEL
+    assert server.attributes["fleetroute.attempts"] == 1
+    assert server.start_time <= admission.start_time <= pick.start_time <= attempt.start_time
+    assert attempt.end_time <= server.end_time
+
+
+async def test_a_retried_request_has_two_attempt_spans_and_a_new_trace_without_a_client_header(
+        make_engine, traced, http) -> None:
+    bad = await make_engine("gpu-0", fail_status=500)
+    good = await make_engine("gpu-1")
+    exporter = InMemorySpanExporter()
+    policy = {"name": "p", "models": ["*"], "strategy": "round-robin", "outlierDetection": {"enabled": False}}
+    router = await traced([bad, good], {"enabled": True}, exporter, policies=[policy])
+    for _ in range(4):  # round-robin: within two requests one starts on gpu-0 and is retried on gpu-1
+        exporter.clear()
+        async with http.post(router.ingress_url + "/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 200
+            await resp.read()
+        spans = _by_name(list(exporter.get_finished_spans()))
+        if len(spans["attempt"]) == 2:
+            break
+    else:
+        pytest.fail("no request was retried")
+    (server,) = spans["POST /v1/chat/completions"]
+    assert server.parent is None  # the client sent no traceparent: the trace starts here
+    first, second = sorted(spans["attempt"], key=lambda s: s.start_time)
+    assert [len(spans["pick"]), server.attributes["fleetroute.attempts"]] == [2, 2]
+    for span in (*spans["pick"], first, second):
+        assert span.parent.span_id == server.context.span_id
+    assert (first.attributes["fleetroute.endpoint"], first.attributes["fleetroute.outcome"]) == ("gpu-0", "http_5xx")
+    assert first.events == () or [e.name for e in first.events] == []
+    assert (second.attributes["fleetroute.endpoint"], second.attributes["fleetroute.outcome"]) == ("gpu-1", "answered")
+    # Each engine saw its own attempt as parent, in the router's trace.
+    trace_id = f"{server.context.trace_id:032x}"
+    assert _traceparent(bad)[:2] == (trace_id, _hex(first.context.span_id))
+    assert _traceparent(good)[:2] == (trace_id, _hex(second.context.span_id))
+
+
+async def test_tracing_is_off_by_default_and_the_client_header_passes_untouched(make_engine, traced, http) -> None:
+    engine = await make_engine("gpu-0")
+    router = await traced([engine])
+    assert not router.ctx.tracing.enabled
+    async with http.post(router.ingress_url + "/v1/chat/completions", json=CHAT) as resp:
+        await resp.read()
+    assert _traceparent(engine) is None  # nothing added
+    async with http.post(router.ingress_url + "/v1/chat/completions", json=CHAT,
+                         headers={"traceparent": TRACEPARENT}) as resp:
+        await resp.read()
+    assert _traceparent(engine) == (CLIENT_TRACE, CLIENT_PARENT, "01")  # the router is not in the trace
+    async with http.get(router.admin_url + "/metrics") as resp:
+        assert "fleetroute_tracing_requests_total{" not in await resp.text()
+
+
+async def test_an_unsampled_trace_exports_nothing_but_still_propagates(make_engine, traced, http) -> None:
+    engine = await make_engine("gpu-0")
+    exporter = InMemorySpanExporter()
+    router = await traced([engine], {"enabled": True, "sampleRatio": 0}, exporter)
+    async with http.post(router.ingress_url + "/v1/chat/completions", json=CHAT) as resp:
+        await resp.read()
+    assert exporter.get_finished_spans() == ()
+    trace_id, _, flags = _traceparent(engine)
+    # Downstream knows the trace and that it was not sampled (flag bit 0; bit 1 is W3C level 2's "random").
+    assert int(flags, 16) & 1 == 0 and trace_id != "0" * 32
+    async with http.post(router.ingress_url + "/v1/chat/completions", json=CHAT,
+                         headers={"traceparent": TRACEPARENT}) as resp:
+        await resp.read()
+    assert len(exporter.get_finished_spans()) == 3  # parent-based: the client's sampled flag wins over the ratio
+    async with http.get(router.admin_url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'fleetroute_tracing_requests_total{sampled="false"} 1.0' in text
+    assert 'fleetroute_tracing_requests_total{sampled="true"} 1.0' in text
+    assert 'fleetroute_tracing_spans_exported_total{result="success"} 3.0' in text
+
+
+async def test_ttft_exemplar_and_access_log_carry_the_trace_id(make_engine, traced, http) -> None:
+    engine = await make_engine("gpu-0")
+    exporter = InMemorySpanExporter()
+    router = await traced([engine], {"enabled": True}, exporter)
+    router.ctx.access_log = AccessLog(stream := io.BytesIO())
+    async with http.post(router.ingress_url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                         headers={"traceparent": TRACEPARENT}) as resp:
+        await resp.read()
+    router.ctx.access_log.flush()
+    assert json.loads(stream.getvalue())["trace_id"] == CLIENT_TRACE
+    async with http.get(router.admin_url + "/metrics",
+                        headers={"Accept": "application/openmetrics-text; version=1.0.0"}) as resp:
+        assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
+        text = await resp.text()
+    exemplars = [line for line in text.splitlines()
+                 if line.startswith("fleetroute_time_to_first_byte_seconds_bucket") and " # " in line]
+    assert exemplars, "no exemplar on the TTFT histogram"
+    assert all(f'# {{trace_id="{CLIENT_TRACE}"}}' in line for line in exemplars)
+    async with http.get(router.admin_url + "/metrics") as resp:  # a classic scraper: the text format, as before
+        assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        assert "trace_id" not in await resp.text()
+
+
+async def test_spans_arrive_over_real_otlp_http_at_a_local_receiver(make_engine, traced, http, monkeypatch) -> None:
+    received: list[ExportTraceServiceRequest] = []
+    requests_headers: list[dict[str, str]] = []
+    got = asyncio.Event()
+
+    async def receive(request: web.Request) -> web.Response:
+        assert request.content_type == "application/x-protobuf"
+        message = ExportTraceServiceRequest()
+        message.ParseFromString(await request.read())
+        received.append(message)
+        requests_headers.append(dict(request.headers))
+        got.set()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", receive)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        monkeypatch.setenv("FLEETROUTE_TEST_OTLP_HEADERS", "x-api-key=secret-1")
+        engine = await make_engine("gpu-0")
+        router = await traced([engine], {"enabled": True, "endpoint": f"http://127.0.0.1:{port}/v1/traces",
+                                         "serviceName": "router-test", "headersEnv": "FLEETROUTE_TEST_OTLP_HEADERS"})
+        async with http.post(router.ingress_url + "/v1/chat/completions", json=CHAT,
+                             headers={"traceparent": TRACEPARENT}) as resp:
+            await resp.read()
+        await router.close()  # shutdown flushes the batch processor: one export
+        await asyncio.wait_for(got.wait(), 10)
+    finally:
+        await runner.cleanup()
+    spans = [(span, resource) for message in received for resource in message.resource_spans
+             for scope in resource.scope_spans for span in scope.spans]
+    by_name = {span.name: span for span, _ in spans}
+    assert set(by_name) == {"POST /v1/chat/completions", "pick", "attempt"}
+    server = by_name["POST /v1/chat/completions"]
+    assert server.trace_id.hex() == CLIENT_TRACE and server.parent_span_id.hex() == CLIENT_PARENT
+    for name in ("pick", "attempt"):
+        assert by_name[name].parent_span_id == server.span_id and by_name[name].trace_id == server.trace_id
+    assert _traceparent(engine)[1] == by_name["attempt"].span_id.hex()
+    service = {a.key: a.value.string_value for a in spans[0][1].resource.attributes}["service.name"]
+    assert service == "router-test"
+    assert requests_headers[0].get("x-api-key") == "secret-1"
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ({"enabled": "yes"}, "tracing.enabled: must be true or false"),
+        ({"enabled": True, "endpoint": "collector:4318"}, "tracing.endpoint: must be an http:// or https:// URL"),
+        ({"sampleRatio": 1.5}, "tracing.sampleRatio: must be >= 0.0 and <= 1.0, got 1.5"),
+        ({"samplingRatio": 0.5}, "tracing.samplingRatio: unknown field"),
+        ({"headersEnv": "FLEETROUTE_TEST_UNSET_VARIABLE"}, "tracing.headersEnv: environment variable"),
+        ({"headersEnv": "FLEETROUTE_TEST_BAD_HEADERS"}, "tracing.headersEnv: must hold name=value pairs"),
+        ("on", "tracing: must be a mapping"),
+    ],
+)
+def test_bad_tracing_config_is_a_clear_error(block: Any, message: str, monkeypatch) -> None:
+    monkeypatch.setenv("FLEETROUTE_TEST_BAD_HEADERS", "just-a-token")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_settings({"tracing": block})
+
+
+def test_tracing_settings_defaults_and_headers_file(tmp_path) -> None:
+    assert parse_settings({}).tracing is None
+    secret = tmp_path / "headers"
+    secret.write_text("authorization=Bearer abc, x-team = infra\n")
+    tracing = parse_settings({"tracing": {"enabled": True, "headersFile": str(secret), "sampleRatio": 0.1}}).tracing
+    assert tracing is not None and tracing.enabled and tracing.sample_ratio == 0.1
+    assert tracing.headers == (("authorization", "Bearer abc"), ("x-team", "infra"))
+    assert tracing.endpoint == "http://127.0.0.1:4318/v1/traces" and tracing.service_name == "fleetroute"
+    assert not parse_settings({"tracing": {}}).tracing.enabled  # a block alone does not turn it on
+
+
+async def test_tracing_changes_need_a_restart(make_engine, traced) -> None:
+    from router.app import ReloadRejected, apply_settings
+
+    engine = await make_engine("gpu-0")
+    router = await traced([engine])
+    with pytest.raises(ReloadRejected, match="tracing"):
+        apply_settings(router.ctx, parse_settings({**router_config([engine]), "tracing": {"enabled": True}}))
+
