@@ -153,6 +153,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         ("policies:\n  - {name: p, strategy: fastest}\n", "policies[0].strategy: must be one of"),
         ("listen: [1, 2]\n", "listen: must be a mapping"),
         ("endpoints: [{id: a, url: 'ftp://x', models: [m]}]\n", "endpoints[0].url: must be an http:// or https:// URL"),
+        ("tracing: {enabled: true, sampleRatio: 2}\n", "tracing.sampleRatio: must be >= 0.0 and <= 1.0, got 2"),
     ],
 )
 def test_cli_bad_config_exits_2_with_one_clear_line(tmp_path: Path, content: str, message: str) -> None:
