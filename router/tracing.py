@@ -76,8 +76,24 @@ def parse_tracing(f: Fields) -> TracingSettings:
     headers = _parse_headers(raw, f.at("headersEnv" if source and source.startswith("$") else "headersFile")) \
         if raw is not None else ()
     f.done()
+    if enabled:
+        _check_exporter(f.at("enabled"))
     return TracingSettings(enabled=enabled, endpoint=endpoint, service_name=service_name, sample_ratio=sample_ratio,
                            headers=headers, timeout=timeout, headers_source=source)
+
+
+def _check_exporter(where: str) -> None:
+    """Tracing on needs the OTLP exporter importable: say why at start-up (exit 2), not at the first export."""
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: F401
+    except ImportError as exc:
+        hint = ""
+        if "InstrumentationScope" in str(exc):
+            # xds-protos (Envoy's API protos) ships an old copy of the same files and may overwrite them
+            # (grpc/grpc#42926, open-telemetry/opentelemetry-python#4843).
+            hint = ("; opentelemetry-proto's files were overwritten by an older copy (xds-protos ships one): "
+                    "pip install --force-reinstall --no-deps opentelemetry-proto")
+        raise ConfigError(where, f"tracing needs the OTLP exporter, which cannot be imported: {exc}{hint}") from None
 
 
 def _parse_headers(raw: str, where: str) -> tuple[tuple[str, str], ...]:
@@ -142,7 +158,8 @@ class _SpanTrace(RequestTrace):
         self.trace_id = otel.trace.format_trace_id(context.trace_id) if context.trace_flags.sampled else None
 
     def admission_began(self) -> None:
-        self._admission = self._tracer.start_span("admission", context=self._context)
+        if self.recording:
+            self._admission = self._tracer.start_span("admission", context=self._context)
 
     def admission_ended(self, outcome: str) -> None:
         if self._admission is not None:
@@ -166,10 +183,13 @@ class _SpanTrace(RequestTrace):
 
     def attempt_began(self, attempt: int, endpoint: str) -> Mapping[str, str]:
         otel = self._otel
+        carrier: dict[str, str] = {}
+        if not self.recording:  # unsampled: pass the (unrecorded) context on, flag clear, with no spans of its own
+            otel.propagator.inject(carrier, context=self._context)
+            return carrier
         span = self._attempt = self._tracer.start_span(
             "attempt", context=self._context, kind=otel.trace.SpanKind.CLIENT,
             attributes={"fleetroute.attempt": attempt, "fleetroute.endpoint": endpoint})
-        carrier: dict[str, str] = {}
         otel.propagator.inject(carrier, context=otel.trace.set_span_in_context(span))
         return carrier
 

@@ -289,3 +289,12 @@ async def test_tracing_changes_need_a_restart(make_engine, traced) -> None:
     with pytest.raises(ReloadRejected, match="tracing"):
         apply_settings(router.ctx, parse_settings({**router_config([engine]), "tracing": {"enabled": True}}))
 
+
+
+def test_an_unimportable_exporter_is_a_config_error_when_tracing_is_on(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
+    with pytest.raises(ConfigError, match=r"tracing.enabled: tracing needs the OTLP exporter, which cannot be imported"):
+        parse_settings({"tracing": {"enabled": True}})
+    assert parse_settings({"tracing": {"enabled": False}}).tracing is not None  # off: nothing to import
