@@ -39,14 +39,13 @@ from router.settings import ConfigError, Fields, _secret
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-    from opentelemetry.trace import Span
+    from opentelemetry.trace import Span, Tracer
 
     from router.metrics import RouterMetrics
 
 log = logging.getLogger("fleetroute.tracing")
 
-DEFAULT_ENDPOINT = "http://127.0.0.1:4318/v1/traces"  # an OpenTelemetry Collector next to the router (its OTLP/HTTP port)
-TRACEPARENT = "traceparent"
+DEFAULT_ENDPOINT = "http://127.0.0.1:4318/v1/traces"  # an OpenTelemetry Collector beside the router (OTLP/HTTP)
 
 
 @dataclass(frozen=True)
@@ -145,7 +144,7 @@ class _SpanTrace(RequestTrace):
     __slots__ = ("_otel", "_tracer", "_server", "_context", "_admission", "_pick_started", "_attempt",
                  "trace_id", "recording")
 
-    def __init__(self, otel: Any, tracer: Any, server: Span) -> None:
+    def __init__(self, otel: _Otel, tracer: Tracer, server: Span) -> None:
         self._otel = otel
         self._tracer = tracer
         self._server = server
@@ -168,7 +167,8 @@ class _SpanTrace(RequestTrace):
             self._admission = None
 
     def pick_began(self) -> None:
-        self._pick_started = time.time_ns()
+        if self.recording:
+            self._pick_started = time.time_ns()
 
     def picked(self, attempt: int, policy: str, strategy: str, endpoint: str | None, reason: str) -> None:
         if not self.recording:

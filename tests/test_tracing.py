@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -21,6 +22,7 @@ from opentelemetry.trace import SpanKind
 from router.access_log import AccessLog
 from router.app import RunningRouter, build_context, start_router
 from router.settings import ConfigError, parse_settings
+from router.tracing import NO_TRACE
 from tests.conftest import MODEL, router_config
 from tests.fake_engine import FakeEngine
 
@@ -150,6 +152,8 @@ async def test_tracing_is_off_by_default_and_the_client_header_passes_untouched(
     engine = await make_engine("gpu-0")
     router = await traced([engine])
     assert not router.ctx.tracing.enabled
+    # The no-op path: every request shares one object that records nothing.
+    assert router.ctx.tracing.begin(CIMultiDict(), "POST", "/v1/completions", "r") is NO_TRACE
     async with http.post(router.ingress_url + "/v1/chat/completions", json=CHAT) as resp:
         await resp.read()
     assert _traceparent(engine) is None  # nothing added
