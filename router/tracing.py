@@ -274,8 +274,9 @@ def build_tracing(settings: TracingSettings, metrics: RouterMetrics,
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
+    # shutdown_on_exit off: the app's cleanup shuts it down (an atexit hook would also keep every test's alive).
     provider = TracerProvider(resource=Resource.create({"service.name": settings.service_name}),
-                              sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)))
+                              sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)), shutdown_on_exit=False)
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(_Counted(exporter, metrics)))
     else:

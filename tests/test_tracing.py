@@ -256,6 +256,26 @@ async def test_spans_arrive_over_real_otlp_http_at_a_local_receiver(make_engine,
     assert requests_headers[0].get("x-api-key") == "secret-1"
 
 
+async def test_an_unreachable_collector_costs_requests_nothing_and_is_counted(make_engine, traced, http) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine = await make_engine("gpu-0")
+    router = await traced([engine], {"enabled": True, "endpoint": f"http://127.0.0.1:{port}/v1/traces",
+                                     "timeout": "2s"})
+    for _ in range(5):
+        async with http.post(router.ingress_url + "/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 200  # exports happen on the SDK's thread, never on the request path
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await router.close()  # the queued batch is tried once more, then dropped: shutdown is bounded
+    assert loop.time() - began < 5
+    body, _ = router.ctx.metrics.render()
+    assert b'fleetroute_tracing_spans_exported_total{result="failure"} 15.0' in body  # 3 spans x 5 requests
+
+
 @pytest.mark.parametrize(
     "block, message",
     [
