@@ -9,6 +9,7 @@ import json
 import random
 import re
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -209,41 +210,58 @@ async def test_ttft_exemplar_and_access_log_carry_the_trace_id(make_engine, trac
         assert "trace_id" not in await resp.text()
 
 
-async def test_spans_arrive_over_real_otlp_http_at_a_local_receiver(make_engine, traced, http, monkeypatch) -> None:
-    received: list[ExportTraceServiceRequest] = []
-    requests_headers: list[dict[str, str]] = []
-    got = asyncio.Event()
+@dataclass
+class Receiver:
+    """A local OTLP/HTTP traces endpoint (aiohttp) that decodes what it is sent."""
+
+    url: str
+    requests: list[ExportTraceServiceRequest] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    got: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def spans(self) -> list[tuple[Any, Any]]:
+        """(span, its resource) of every span received."""
+        return [(span, resource.resource) for message in self.requests for resource in message.resource_spans
+                for scope in resource.scope_spans for span in scope.spans]
+
+
+@pytest.fixture
+async def otlp_receiver() -> AsyncIterator[Receiver]:
+    receiver: Receiver | None = None
 
     async def receive(request: web.Request) -> web.Response:
-        assert request.content_type == "application/x-protobuf"
+        assert receiver is not None and request.content_type == "application/x-protobuf"
         message = ExportTraceServiceRequest()
-        message.ParseFromString(await request.read())
-        received.append(message)
-        requests_headers.append(dict(request.headers))
-        got.set()
+        message.ParseFromString(await request.read())  # the protobuf ExportTraceServiceRequest, decoded
+        receiver.requests.append(message)
+        receiver.headers.append(dict(request.headers))
+        receiver.got.set()
         return web.Response(body=b"", content_type="application/x-protobuf")
 
     app = web.Application()
     app.router.add_post("/v1/traces", receive)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    receiver = Receiver(f"http://127.0.0.1:{runner.addresses[0][1]}/v1/traces")
     try:
-        monkeypatch.setenv("FLEETROUTE_TEST_OTLP_HEADERS", "x-api-key=secret-1")
-        engine = await make_engine("gpu-0")
-        router = await traced([engine], {"enabled": True, "endpoint": f"http://127.0.0.1:{port}/v1/traces",
-                                         "serviceName": "router-test", "headersEnv": "FLEETROUTE_TEST_OTLP_HEADERS"})
-        async with http.post(router.ingress_url + "/v1/chat/completions", json=CHAT,
-                             headers={"traceparent": TRACEPARENT}) as resp:
-            await resp.read()
-        await router.close()  # shutdown flushes the batch processor: one export
-        await asyncio.wait_for(got.wait(), 10)
+        yield receiver
     finally:
         await runner.cleanup()
-    spans = [(span, resource) for message in received for resource in message.resource_spans
-             for scope in resource.scope_spans for span in scope.spans]
+
+
+async def test_spans_arrive_over_real_otlp_http_at_a_local_receiver(
+        make_engine, traced, http, otlp_receiver, monkeypatch) -> None:
+    monkeypatch.setenv("FLEETROUTE_TEST_OTLP_HEADERS", "x-api-key=secret-1")
+    engine = await make_engine("gpu-0")
+    router = await traced([engine], {"enabled": True, "endpoint": otlp_receiver.url, "serviceName": "router-test",
+                                     "headersEnv": "FLEETROUTE_TEST_OTLP_HEADERS"})
+    async with http.post(router.ingress_url + "/v1/chat/completions", json=CHAT,
+                         headers={"traceparent": TRACEPARENT}) as resp:
+        await resp.read()
+    await router.close()  # shutdown sends what the batch processor holds
+    await asyncio.wait_for(otlp_receiver.got.wait(), 10)
+    spans = otlp_receiver.spans()
     by_name = {span.name: span for span, _ in spans}
     assert set(by_name) == {"POST /v1/chat/completions", "pick", "attempt"}
     server = by_name["POST /v1/chat/completions"]
@@ -251,9 +269,42 @@ async def test_spans_arrive_over_real_otlp_http_at_a_local_receiver(make_engine,
     for name in ("pick", "attempt"):
         assert by_name[name].parent_span_id == server.span_id and by_name[name].trace_id == server.trace_id
     assert _traceparent(engine)[1] == by_name["attempt"].span_id.hex()
-    service = {a.key: a.value.string_value for a in spans[0][1].resource.attributes}["service.name"]
-    assert service == "router-test"
-    assert requests_headers[0].get("x-api-key") == "secret-1"
+    assert {a.key: a.value.string_value for a in spans[0][1].attributes}["service.name"] == "router-test"
+    assert otlp_receiver.headers[0].get("x-api-key") == "secret-1"
+
+
+async def test_a_router_process_with_two_workers_exports_every_span_by_shutdown(
+        tmp_path, make_engine, http, otlp_receiver) -> None:
+    """The real `fleetroute router` with two workers: the exporter thread starts in the worker that serves, and what
+    it holds is sent when SIGTERM stops it. OpenMetrics scrapes work in multi-process mode (without exemplars)."""
+    import signal
+
+    from tests.test_serve_process import start_process
+
+    engine = await make_engine("gpu-0")
+    proc, ingress, admin, _ = await start_process(tmp_path, [engine], workers=2,
+                                                  tracing={"enabled": True, "endpoint": otlp_receiver.url})
+    try:
+        sent = set()
+        for i in range(10):
+            trace_id = f"{i + 1:032x}"
+            sent.add(trace_id)
+            async with http.post(ingress + "/v1/chat/completions", json=CHAT,
+                                 headers={"Connection": "close", "traceparent": f"00-{trace_id}-{CLIENT_PARENT}-01"}
+                                 ) as resp:
+                assert resp.status == 200
+        async with http.get(admin + "/metrics", headers={"Accept": "application/openmetrics-text"}) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("application/openmetrics-text")
+            assert "fleetroute_time_to_first_byte_seconds_bucket" in await resp.text()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    servers = [span for span, _ in otlp_receiver.spans() if span.name == "POST /v1/chat/completions"]
+    assert {span.trace_id.hex() for span in servers} == sent
+    assert _traceparent(engine)[0] in sent
 
 
 async def test_an_unreachable_collector_costs_requests_nothing_and_is_counted(make_engine, traced, http) -> None:
