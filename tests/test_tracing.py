@@ -373,3 +373,20 @@ def test_an_unimportable_exporter_is_a_config_error_when_tracing_is_on(monkeypat
     with pytest.raises(ConfigError, match=r"tracing.enabled: tracing needs the OTLP exporter, which cannot be imported"):
         parse_settings({"tracing": {"enabled": True}})
     assert parse_settings({"tracing": {"enabled": False}}).tracing is not None  # off: nothing to import
+
+
+def test_off_the_tracing_sdk_is_never_imported() -> None:
+    """Zero cost off: with tracing off the router imports nothing of OpenTelemetry's tracing SDK or exporter, and no
+    OpenTelemetry module beyond those redis-py itself imports when it finds OpenTelemetry installed (its opt-in
+    metrics, redis/observability/providers.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, redis; before = {m for m in sys.modules if m.startswith('opentelemetry')}; "
+            "import router.app, router.handlers, router.cli; from router.settings import parse_settings; "
+            "parse_settings({'tracing': {'enabled': False}}); "
+            "after = {m for m in sys.modules if m.startswith('opentelemetry')}; "
+            "print(sorted(after - before), sorted(m for m in after if m.startswith(('opentelemetry.sdk.trace', "
+            "'opentelemetry.exporter'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[] []"
