@@ -9,13 +9,10 @@ import json
 import random
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from aiohttp import web
 from multidict import CIMultiDict
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
@@ -26,6 +23,7 @@ from router.settings import ConfigError, parse_settings
 from router.tracing import NO_TRACE
 from tests.conftest import MODEL, router_config
 from tests.fake_engine import FakeEngine
+from tests.otlp_receiver import Receiver, otlp_receiver
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -210,58 +208,24 @@ async def test_ttft_exemplar_and_access_log_carry_the_trace_id(make_engine, trac
         assert "trace_id" not in await resp.text()
 
 
-@dataclass
-class Receiver:
-    """A local OTLP/HTTP traces endpoint (aiohttp) that decodes what it is sent."""
-
-    url: str
-    requests: list[ExportTraceServiceRequest] = field(default_factory=list)
-    headers: list[dict[str, str]] = field(default_factory=list)
-    got: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def spans(self) -> list[tuple[Any, Any]]:
-        """(span, its resource) of every span received."""
-        return [(span, resource.resource) for message in self.requests for resource in message.resource_spans
-                for scope in resource.scope_spans for span in scope.spans]
-
-
 @pytest.fixture
-async def otlp_receiver() -> AsyncIterator[Receiver]:
-    receiver: Receiver | None = None
-
-    async def receive(request: web.Request) -> web.Response:
-        assert receiver is not None and request.content_type == "application/x-protobuf"
-        message = ExportTraceServiceRequest()
-        message.ParseFromString(await request.read())  # the protobuf ExportTraceServiceRequest, decoded
-        receiver.requests.append(message)
-        receiver.headers.append(dict(request.headers))
-        receiver.got.set()
-        return web.Response(body=b"", content_type="application/x-protobuf")
-
-    app = web.Application()
-    app.router.add_post("/v1/traces", receive)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    receiver = Receiver(f"http://127.0.0.1:{runner.addresses[0][1]}/v1/traces")
-    try:
-        yield receiver
-    finally:
-        await runner.cleanup()
+async def receiver() -> AsyncIterator[Receiver]:
+    async with otlp_receiver() as running:
+        yield running
 
 
 async def test_spans_arrive_over_real_otlp_http_at_a_local_receiver(
-        make_engine, traced, http, otlp_receiver, monkeypatch) -> None:
+        make_engine, traced, http, receiver, monkeypatch) -> None:
     monkeypatch.setenv("FLEETROUTE_TEST_OTLP_HEADERS", "x-api-key=secret-1")
     engine = await make_engine("gpu-0")
-    router = await traced([engine], {"enabled": True, "endpoint": otlp_receiver.url, "serviceName": "router-test",
+    router = await traced([engine], {"enabled": True, "endpoint": receiver.url, "serviceName": "router-test",
                                      "headersEnv": "FLEETROUTE_TEST_OTLP_HEADERS"})
     async with http.post(router.ingress_url + "/v1/chat/completions", json=CHAT,
                          headers={"traceparent": TRACEPARENT}) as resp:
         await resp.read()
     await router.close()  # shutdown sends what the batch processor holds
-    await asyncio.wait_for(otlp_receiver.got.wait(), 10)
-    spans = otlp_receiver.spans()
+    await asyncio.wait_for(receiver.got.wait(), 10)
+    spans = receiver.spans()
     by_name = {span.name: span for span, _ in spans}
     assert set(by_name) == {"POST /v1/chat/completions", "pick", "attempt"}
     server = by_name["POST /v1/chat/completions"]
@@ -270,11 +234,11 @@ async def test_spans_arrive_over_real_otlp_http_at_a_local_receiver(
         assert by_name[name].parent_span_id == server.span_id and by_name[name].trace_id == server.trace_id
     assert _traceparent(engine)[1] == by_name["attempt"].span_id.hex()
     assert {a.key: a.value.string_value for a in spans[0][1].attributes}["service.name"] == "router-test"
-    assert otlp_receiver.headers[0].get("x-api-key") == "secret-1"
+    assert receiver.headers[0].get("x-api-key") == "secret-1"
 
 
 async def test_a_router_process_with_two_workers_exports_every_span_by_shutdown(
-        tmp_path, make_engine, http, otlp_receiver) -> None:
+        tmp_path, make_engine, http, receiver) -> None:
     """The real `fleetroute router` with two workers: the exporter thread starts in the worker that serves, and what
     it holds is sent when SIGTERM stops it. OpenMetrics scrapes work in multi-process mode (without exemplars)."""
     import signal
@@ -283,7 +247,7 @@ async def test_a_router_process_with_two_workers_exports_every_span_by_shutdown(
 
     engine = await make_engine("gpu-0")
     proc, ingress, admin, _ = await start_process(tmp_path, [engine], workers=2,
-                                                  tracing={"enabled": True, "endpoint": otlp_receiver.url})
+                                                  tracing={"enabled": True, "endpoint": receiver.url})
     try:
         sent = set()
         for i in range(10):
@@ -302,7 +266,7 @@ async def test_a_router_process_with_two_workers_exports_every_span_by_shutdown(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    servers = [span for span, _ in otlp_receiver.spans() if span.name == "POST /v1/chat/completions"]
+    servers = [span for span, _ in receiver.spans() if span.name == "POST /v1/chat/completions"]
     assert {span.trace_id.hex() for span in servers} == sent
     assert _traceparent(engine)[0] in sent
 
