@@ -204,7 +204,8 @@ class _SpanTrace(RequestTrace):
         span.set_attribute("fleetroute.outcome", outcome)
         if status is not None:
             span.set_attribute("http.response.status_code", status)
-        if outcome != "answered" or (status is not None and status >= 500):
+        # The client leaving is not the endpoint failing (as for outlier detection: router/handlers.py).
+        if outcome not in ("answered", "client_disconnect") or (status is not None and status >= 500):
             span.set_status(self._otel.trace.StatusCode.ERROR, outcome)
         span.end()
         self._attempt = None
