@@ -115,7 +115,8 @@ def upstream_headers(
         credentials(headers)  # router.auth: drop the client's key, or send the engines' instead
     (forwarding or Forwarding()).rewrite(request, headers)
     headers["X-Request-Id"] = request_id
-    if trace:  # the attempt's W3C trace context (router/tracing.py) replaces the client's
+    if trace:  # the attempt's W3C trace context (router/tracing.py) replaces the client's, tracestate included
+        headers.popall("tracestate", None)  # (kept in `trace` when the client's traceparent was valid)
         for name, value in trace.items():
             headers[name] = value
     return headers

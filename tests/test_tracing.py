@@ -147,6 +147,24 @@ async def test_a_retried_request_has_two_attempt_spans_and_a_new_trace_without_a
     assert _traceparent(good)[:2] == (trace_id, _hex(second.context.span_id))
 
 
+async def test_a_malformed_traceparent_starts_a_new_trace_and_its_tracestate_is_dropped(
+        make_engine, traced, http) -> None:
+    engine = await make_engine("gpu-0")
+    exporter = InMemorySpanExporter()
+    router = await traced([engine], {"enabled": True}, exporter)
+    async with http.post(router.ingress_url + "/v1/chat/completions", json=CHAT,
+                         headers={"traceparent": "00-not-a-trace-01", "tracestate": "vendor=stale"}) as resp:
+        assert resp.status == 200
+        await resp.read()
+    (server,) = _by_name(list(exporter.get_finished_spans()))["POST /v1/chat/completions"]
+    assert server.parent is None  # W3C: an unparsable traceparent is ignored, a new trace starts
+    (attempt,) = _by_name(list(exporter.get_finished_spans()))["attempt"]
+    trace_id, parent, flags = _traceparent(engine)
+    assert (trace_id, parent) == (f"{server.context.trace_id:032x}", _hex(attempt.context.span_id))
+    assert int(flags, 16) & 1  # sampled (bit 1 may say the router drew a random trace id)
+    assert "tracestate" not in {k.lower() for k in engine.requests[-1]["headers"]}  # it went with the bad parent
+
+
 async def test_tracing_is_off_by_default_and_the_client_header_passes_untouched(make_engine, traced, http) -> None:
     engine = await make_engine("gpu-0")
     router = await traced([engine])
