@@ -15,6 +15,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -54,6 +55,10 @@ from router.status.page import add_status_page
 from router.status.sessions import BrowserSessions
 from router.sticky import StickyTable
 from router.telemetry import EmbeddedCollection, MemoryStore, RedisStore, TelemetryFeed, run_feed
+from router.tracing import Tracing, TracingSettings, build_tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger("fleetroute.app")
 
@@ -65,6 +70,7 @@ def build_context(
     clock: Callable[[], float] = time.monotonic,
     registry: PolicyRegistry | None = None,
     budget_clock: Callable[[], float] | None = None,
+    span_exporter: SpanExporter | None = None,
 ) -> RouterContext:
     registry = registry or PolicyRegistry()
     rng = rng or random.Random()
@@ -90,11 +96,24 @@ def build_context(
     ctx = RouterContext(
         settings=settings, metrics=metrics, loads=loads, balancer=balancer, registry=registry, admission=admission,
         decisions=decisions, clock=clock, rng=rng, forwarding=Forwarding(settings.listen.trusted_proxies),
-        budget_clock=budget_clock,
+        budget_clock=budget_clock, span_exporter=span_exporter,
     )
     # An endpoint ejected, failing its health checks or without its GPU: the requests waiting there go elsewhere.
     balancer.on_excluded = lambda policy, endpoint, reason: release_excluded(ctx, policy, endpoint, reason)
     return ctx
+
+
+async def _tracing(app: web.Application) -> AsyncIterator[None]:
+    """OpenTelemetry (router/tracing.py), built here rather than with the context: its batch processor's thread
+    must start in the process that serves (after `workers` forked)."""
+    ctx = app[CONTEXT]
+    ctx.tracing = build_tracing(ctx.settings.tracing or TracingSettings(), ctx.metrics, ctx.span_exporter)
+    try:
+        yield
+    finally:
+        tracing, ctx.tracing = ctx.tracing, Tracing()
+        if tracing.enabled:
+            await asyncio.to_thread(tracing.shutdown)  # the last spans' export: a blocking HTTP call
 
 
 async def _upstream(app: web.Application) -> AsyncIterator[None]:
@@ -298,7 +317,7 @@ def apply_settings(ctx: RouterContext, new: Settings) -> None:
     Redis, telemetry and worker count need a restart; a change to them rejects the whole reload."""
     old = ctx.settings
     fixed = ("listen", "admin", "redis", "telemetry", "workers", "auth", "max_header_bytes", "client_timeouts",
-             "discovery", "control", "tenancy")
+             "discovery", "control", "tenancy", "tracing")
     changed = [name for name in fixed if getattr(old, name) != getattr(new, name)]
     if changed:
         raise ReloadRejected(f"these settings need a restart: {', '.join(changed)}")
@@ -393,7 +412,8 @@ def build_apps(ctx: RouterContext) -> tuple[web.Application, web.Application]:
     protect = auth.ingress_middlewares(ctx.settings.auth, ctx.metrics)  # client API keys, when configured
     ingress = web.Application(client_max_size=ctx.settings.max_body_bytes, middlewares=[openai_errors, *protect])
     ingress[CONTEXT] = ctx
-    ingress.cleanup_ctx.append(_discovery)  # first: the first snapshot already has the discovered endpoints
+    ingress.cleanup_ctx.append(_tracing)  # first: the last to close, after the last request's spans ended
+    ingress.cleanup_ctx.append(_discovery)  # then: the first snapshot already has the discovered endpoints
     ingress.cleanup_ctx.append(_upstream)
     ingress.cleanup_ctx.append(_shared_state)
     ingress.cleanup_ctx.append(_budgets)

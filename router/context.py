@@ -38,8 +38,11 @@ from router.shared_loads import SharedLoads
 from router.status.history import StatusHistory
 from router.sticky import StickyTable
 from router.telemetry import EmbeddedCollection, TelemetryFeed
+from router.tracing import Tracing
 
 if TYPE_CHECKING:  # imported only when Kubernetes discovery is configured (the client is heavy to import)
+    from opentelemetry.sdk.trace.export import SpanExporter
+
     from router.control.routing_policies import RoutingPolicyController
     from router.discovery.kubernetes import KubernetesDiscovery
 
@@ -73,6 +76,8 @@ class RouterContext:
     stall_task: asyncio.Task[None] | None = None  # the stall checks (app start-up to shutdown)
     status_history: StatusHistory = field(init=False)  # the status page's recent past (router/status/history.py)
     access_log: AccessLog = field(default_factory=AccessLog)
+    tracing: Tracing = field(default_factory=Tracing)  # OpenTelemetry (router/tracing.py): off until app start-up
+    span_exporter: SpanExporter | None = None  # tests: spans go here (in process) instead of over OTLP
     forwarding: Forwarding = field(default_factory=Forwarding)  # whose X-Forwarded-* to believe (listen.trustedProxies)
     # Log lines about what clients send (refused bodies): a client can repeat them at will.
     client_log: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(logging.getLogger("fleetroute.handlers")))

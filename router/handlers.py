@@ -41,6 +41,7 @@ from router.redaction import redact_url
 from router.request_body import BodyRejected, expect_handler, read_body
 from router.sticky import StickyTable
 from router.tenants import Tenant
+from router.tracing import NO_TRACE, RequestTrace
 
 # Costs are estimated with the defaults for policies without a `cost:` block once tenants are configured: a
 # tenant's tokens, budgets and fair share are all counted in them.
@@ -78,6 +79,7 @@ class Served:
     tenant: Tenant | None = None  # with a `tenancy:` block: the request's tenant (router/tenants.py)
     budget: Verdict | None = None  # its budget check, for a budgeted tenant (router/budgets.py)
     counter: OutputCounter | None = None  # counts the answer's output tokens (requests with a cost estimate)
+    trace: RequestTrace = NO_TRACE  # its spans, with tracing on (router/tracing.py); NO_TRACE does nothing
 
     @property
     def status(self) -> int:
@@ -96,7 +98,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
     # perf_counter, not loop.time(): uvloop's clock has millisecond resolution, too coarse for TTFB.
     started = time.perf_counter()
     request_id = request_id_of(request)
-    served = Served()
+    served = Served(trace=ctx.tracing.begin(request.headers, request.method, request.path, request_id))
     try:
         await _serve(request, ctx, request_id, started, served)
         assert served.response is not None
@@ -126,10 +128,13 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
     status = served.status
     metrics = ctx.metrics
     metrics.child(metrics.requests, served.model, endpoint, str(status)).inc()
+    trace_id = served.trace.trace_id  # None unless traced and sampled
     if endpoint:
         metrics.child(metrics.request_duration, served.model, endpoint).observe(duration)
         if outcome is not None and outcome.ttfb is not None:
-            metrics.child(metrics.time_to_first_byte, served.model, endpoint).observe(outcome.ttfb)
+            # A traced request's TTFT carries its trace id (an exemplar): a slow bucket links to a trace.
+            metrics.child(metrics.time_to_first_byte, served.model, endpoint).observe(
+                outcome.ttfb, {"trace_id": trace_id} if trace_id is not None else None)
         if outcome is not None:  # the status page's per-endpoint rates and latencies (router/status/history.py)
             ctx.status_history.finished(endpoint, status=status, ttfb=outcome.ttfb, duration=duration,
                                         chunks=outcome.chunks,
@@ -140,6 +145,8 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
         _count_completion(ctx, served, learned)
     if served.decision is not None:
         ctx.decisions.finish(served.decision, status, duration)
+    if served.trace.recording:
+        _end_trace(served, status, learned)
     if ctx.settings.access_log:
         fields = {
             "request_id": request_id,
@@ -157,6 +164,8 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
         }
         if served.tenant is not None:
             fields["tenant"] = served.tenant.name
+        if trace_id is not None:
+            fields["trace_id"] = trace_id
         if served.decision is not None:
             fields["decision_id"] = served.decision.id  # the routing record: /admin/decisions/{id}
         if served.estimate is not None:
@@ -167,6 +176,20 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
             if learned is not None:
                 fields["output_tokens"], fields["output_tokens_source"] = learned
         ctx.access_log.write(fields)
+
+
+def _end_trace(served: Served, status: int, learned: tuple[int | None, str] | None) -> None:
+    outcome = served.outcome
+    count = outcome.output if outcome is not None else None
+    served.trace.end(status, {
+        "gen_ai.request.model": served.model or None,
+        "fleetroute.endpoint": served.endpoint or None,
+        "fleetroute.attempts": served.attempts,
+        "fleetroute.tenant": served.tenant.name if served.tenant is not None else None,
+        "fleetroute.upstream_error": outcome.error if outcome is not None else None,
+        "gen_ai.usage.input_tokens": count.prompt_tokens if count is not None else None,
+        "gen_ai.usage.output_tokens": learned[0] if learned is not None else None,
+    })
 
 
 def _count_completion(ctx: RouterContext, served: Served, learned: tuple[int | None, str] | None) -> None:
@@ -287,9 +310,12 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     # Admission (router/admission.py): None unless the policy caps endpoint concurrency. No await may come
     # between `admit` and the forward below, which is what marks the admitted request in flight.
     admission = ctx.admission.pool(spec, model)
+    trace = served.trace
     if admission is not None:
         queued_at = ctx.clock() if decision is not None else 0.0
+        trace.admission_began()
         shed = await admission.admit(request_id, request.headers, cost, tenant.name if tenant is not None else "")
+        trace.admission_ended("admitted" if shed is None else f"shed_{shed.status}")
         if decision is not None:
             explain_admission(decision, admission.settings, request.headers, ctx.clock() - queued_at, shed)
         if shed is not None:
@@ -310,12 +336,18 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     deadline = asyncio.get_running_loop().time() - (time.perf_counter() - started) + total if total else None
     loop = asyncio.get_running_loop()
     attempt: Attempt | None = None
+    picks = 0
     while len(tried) < retries.attempts:
         excluded = tried | denied if admission is None else admission.exclude(tried | denied)
-        trace = DecisionTrace() if decision is not None else None
-        view = _choose(ctx, info, excluded, pin, trace)
+        # The picker explains itself to an explained request, and gives a traced one its reason (the pick span).
+        why = DecisionTrace() if decision is not None or trace.recording else None
+        trace.pick_began()
+        view = _choose(ctx, info, excluded, pin, why)
+        picks += 1
+        trace.picked(picks, spec.name, spec.strategy, view.id if view is not None else None,
+                     why.reason if why is not None else "")
         if decision is not None:
-            attempt = explain_attempt(ctx, decision, model, view, trace, tried, denied, excluded, pin)
+            attempt = explain_attempt(ctx, decision, model, view, why, tried, denied, excluded, pin)
         if view is None:
             break
         allowed, probe = balancer.acquire(spec, view.id)
@@ -364,8 +396,11 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
                     retryable=retryable, deadline=deadline, cost=cost, prefill=info.note.prefill_tokens,
                     streamed=payload.get("stream") is True, counter=counter, extra_headers=explanation,
                     policy=spec.name,
+                    trace_headers=trace.attempt_began(served.attempts, view.id),
+                    on_first_byte=trace.first_byte if trace.recording else None,
                 )
             except UpstreamFailed as exc:
+                trace.attempt_ended(exc.kind, None)
                 if isinstance(exc, UpstreamRescued):
                     # Taken off an endpoint already judged (stalled, ejected, unhealthy): its health has its
                     # verdict, and this request goes elsewhere like any retry (attempts, retry budget).
@@ -379,6 +414,7 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
                     attempt.outcome, attempt.error = exc.kind, str(exc)
                 continue
             outcome = served.outcome
+            trace.attempt_ended(outcome.error or "answered", outcome.status)
             if attempt is not None:
                 attempt.outcome, attempt.status = outcome.error or "answered", outcome.status
             if outcome.error != "client_disconnect":  # the client leaving says nothing about the endpoint
@@ -558,8 +594,8 @@ async def openai_errors(
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[CONTEXT].metrics.render()
-    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    body, content_type = request.app[CONTEXT].metrics.render(request.headers.get("Accept", ""))
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def healthz(request: web.Request) -> web.Response:

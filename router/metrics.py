@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -29,6 +30,9 @@ LATENCY_BUCKETS = (
 # Output-length prediction errors: a few tokens (a good session estimate) to tens of thousands (a runaway).
 TOKEN_ERROR_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
 RELATIVE_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+
+
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class RouterMetrics:
@@ -55,6 +59,19 @@ class RouterMetrics:
             "(for streams: time to first token).",
             ["model", "endpoint"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tracing_requests = Counter(
+            "fleetroute_tracing_requests",
+            "Inference requests seen with tracing on, by whether their trace was sampled (router/tracing.py).",
+            ["sampled"],
+            registry=r,
+        )
+        self.tracing_spans_exported = Counter(
+            "fleetroute_tracing_spans_exported",
+            "Spans handed to the trace exporter, by result (success, failure: the collector refused or was "
+            "unreachable; failed spans are dropped).",
+            ["result"],
             registry=r,
         )
         self.in_flight = Gauge(
@@ -659,11 +676,16 @@ class RouterMetrics:
             for labels in [labels for labels in family._metrics if labels[at] in gone]:
                 family.remove(*labels)
 
-    def render(self) -> bytes:
-        """The exposition text: this process's registry, or every worker process's in multi-process mode."""
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition (body, content type): this process's registry, or every worker process's in
+        multi-process mode. OpenMetrics when the scraper's Accept asks for it: only that format carries the
+        TTFT histogram's exemplars (trace ids, router/tracing.py); else the classic text format."""
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-        if directory:
-            merged = CollectorRegistry()
-            MultiProcessCollector(merged, path=directory)
-            return generate_latest(merged)
-        return generate_latest(self.registry)
+        registry = self.registry
+        if directory:  # no exemplars there: prometheus-client does not keep them across processes
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=directory)
+        if "application/openmetrics-text" in accept:
+            encoder, content_type = choose_encoder(accept)
+            return encoder(registry), content_type
+        return generate_latest(registry), TEXT_CONTENT_TYPE

@@ -123,13 +123,17 @@ def _strip(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[
 
 def upstream_headers(
     request: web.Request, request_id: str, credentials: Callable[[CIMultiDict[str]], None] | None = None,
-    forwarding: Forwarding | None = None,
+    forwarding: Forwarding | None = None, trace: Mapping[str, str] | None = None,
 ) -> CIMultiDict[str]:
     headers = _strip(request.headers, _NOT_FORWARDED_UP)
     if credentials is not None:
         credentials(headers)  # router.auth: drop the client's key, or send the engines' instead
     (forwarding or Forwarding()).rewrite(request, headers)
     headers["X-Request-Id"] = request_id
+    if trace:  # the attempt's W3C trace context (router/tracing.py) replaces the client's, tracestate included
+        headers.popall("tracestate", None)  # (kept in `trace` when the client's traceparent was valid)
+        for name, value in trace.items():
+            headers[name] = value
     return headers
 
 
@@ -165,6 +169,8 @@ class Proxy:
         counter: OutputCounter | None = None,
         extra_headers: Mapping[str, str] | None = None,
         policy: str = "",
+        trace_headers: Mapping[str, str] | None = None,
+        on_first_byte: Callable[[], None] | None = None,
     ) -> Outcome:
         """Send `body` to `view` and stream the answer to the client.
 
@@ -177,6 +183,8 @@ class Proxy:
         `extra_headers` go on the streamed response, before its first byte (a routing explanation).
         Raises UpstreamRescued when the router took the request off the endpoint before any byte reached the
         client (`policy` is the request's, for releases that concern one policy's pool).
+        `trace_headers` (a traced request: its attempt's `traceparent`) go upstream; `on_first_byte` is called once,
+        at the answer's first body byte.
         """
         loop = asyncio.get_running_loop()
         endpoint_id = view.id
@@ -194,7 +202,8 @@ class Proxy:
                         # aiohttp warns (ResourceWarning) about bytes bodies over 1 MiB and wants them as a stream,
                         # which it writes in 64 KiB pieces, yielding between them.
                         data=body if len(body) <= LARGE_BODY else io.BytesIO(body),
-                        headers=upstream_headers(request, request_id, self._credentials, self._forwarding),
+                        headers=upstream_headers(request, request_id, self._credentials, self._forwarding,
+                                                 trace_headers),
                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect),
                         allow_redirects=False,
                     )
@@ -234,7 +243,7 @@ class Proxy:
                     upstream.close()
                     raise UpstreamFailed("http_5xx", f"endpoint {endpoint_id} answered {upstream.status}")
             return await self._stream(request, upstream, endpoint_id, request_id, timeouts, started, loop, deadline,
-                                      counter, booked, waiter, extra_headers)
+                                      counter, booked, waiter, extra_headers, on_first_byte)
 
     async def _stream(
         self,
@@ -250,6 +259,7 @@ class Proxy:
         booked: Prefill | None,
         waiter: Waiter,
         extra_headers: Mapping[str, str] | None = None,
+        on_first_byte: Callable[[], None] | None = None,
     ) -> Outcome:
         # The engine's reason phrase is not passed on: it means nothing (RFC 9112 section 4) and it is bytes
         # from the engine on the status line (aiohttp < 3.13.4 let a CR/LF in it inject headers).
@@ -285,6 +295,8 @@ class Proxy:
                         if booked is not None:  # only a stream's first token times prefill; an error is at once
                             self._loads.prefill_done(
                                 booked, timed=upstream.status < 400 and upstream.content_type == "text/event-stream")
+                        if on_first_byte is not None:
+                            on_first_byte()
                         # The head goes with the first chunk: until now the request could still go elsewhere.
                         await response.prepare(request)
                         waiter.streaming = True

@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # parsed by their own modules, which build on this one's fiel
     from router.control import ControlSettings
     from router.explain import ExplainSettings
     from router.tenants import TenancySettings
+    from router.tracing import TracingSettings
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_ADMIN_CONNECTIONS = 64  # kubelet probes and a few Prometheus scrapers need a handful
@@ -226,6 +227,7 @@ class Settings:
     # Wedged engines (router/health/stall.py, router/rescue.py): for the router, not per policy, because an
     # engine stalls whichever policy sent it the request.
     stall: StallSettings = StallSettings()
+    tracing: TracingSettings | None = None  # router.tracing: OpenTelemetry spans and export; None: off
 
 
 class Fields:
@@ -954,6 +956,9 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
 
     explain = parse_explain(top.sub("explain")) if top.get("explain") is not None else None
     stall = _stall(top.sub("stallDetection"))
+    from router.tracing import parse_tracing  # here, not on top: router.tracing builds on this module
+
+    tracing = parse_tracing(top.sub("tracing")) if top.get("tracing") is not None else None
     top.done()
     return Settings(
         listen=listen,
@@ -976,6 +981,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         explain=explain,
         tenancy=tenancy,
         stall=stall,
+        tracing=tracing,
     )
 
 

@@ -137,6 +137,8 @@ class VllmServer:
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     startup_seconds: float | None = None
+    extra_args: tuple[str, ...] = ()  # more server flags (`--otlp-traces-endpoint URL`)
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -156,6 +158,7 @@ class VllmServer:
             # An engine process killed by a signal (SIGILL on a CPU the wheel was not built for, SIGSEGV) then
             # leaves "Fatal Python error: ..." and its stack in the log instead of dying silently.
             "PYTHONFAULTHANDLER": "1",
+            **self.extra_env,
         }
         env.pop("VIRTUAL_ENV", None)
         cmd = [
@@ -163,7 +166,7 @@ class VllmServer:
             "--model", str(self.model_dir), "--served-model-name", SERVED_MODEL,
             "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager",
             "--max-num-seqs", str(MAX_NUM_SEQS),
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args,
         ]
         self._started_at = time.monotonic()
         with open(self.log_path, "wb") as log:
@@ -224,11 +227,13 @@ class VllmServer:
 
 
 @contextlib.contextmanager
-def vllm_servers(python: Path, workdir: Path, n: int = 2, *, probe: bool = True) -> Iterator[list[VllmServer]]:
+def vllm_servers(python: Path, workdir: Path, n: int = 2, *, probe: bool = True, extra_args: tuple[str, ...] = (),
+                 extra_env: dict[str, str] | None = None) -> Iterator[list[VllmServer]]:
     """`n` servers of the tiny model, started in parallel, each on its own cores, each made to serve one tiny
     completion first unless `probe` is false (capturing an untouched server's page); always stopped."""
     model = build_tiny_model(python, workdir / "tiny-llama")
-    servers = [VllmServer(python, model, workdir / f"vllm-{i}.log", bind) for i, bind in enumerate(cpu_binds(n))]
+    servers = [VllmServer(python, model, workdir / f"vllm-{i}.log", bind, extra_args=extra_args,
+                          extra_env=extra_env or {}) for i, bind in enumerate(cpu_binds(n))]
     try:
         for server in servers:
             server.start()

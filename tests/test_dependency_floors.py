@@ -51,3 +51,14 @@ def test_installed_versions_satisfy_the_declared_requirements(requirement: Requi
     installed = Version(metadata.version(requirement.name))
     assert requirement.specifier.contains(installed, prereleases=True), (
         f"{requirement.name} {installed} is installed; pyproject.toml needs {requirement.specifier}")
+
+
+def test_opentelemetry_protos_are_opentelemetry_protos_own() -> None:
+    """xds-protos ships an old copy of `opentelemetry/proto/*` (grpc/grpc#42926): installed after opentelemetry-proto
+    it overwrites the files, and the router's OTLP exporter (tracing) cannot be imported. The newer files serve
+    xds-protos's Envoy modules as well, so opentelemetry-proto must be the one installed last."""
+    try:
+        from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"{exc}: opentelemetry-proto's files were overwritten (xds-protos?); "
+                    "run pip install --force-reinstall --no-deps opentelemetry-proto")

@@ -856,3 +856,44 @@ def test_tenants_reach_the_router_with_their_keys(helm, tmp_path, monkeypatch):
 def test_bad_tenancy_values_are_rejected_with_a_clear_message(helm, args, message):
     result = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args, check=False)
     assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+
+
+def test_tracing_values_reach_the_router_with_headers_from_a_secret_and_an_egress_rule(helm, monkeypatch):
+    """router.tracing becomes the router's `tracing:` block; the export headers come from an existing Secret through
+    the variable the config names, and the router's NetworkPolicy lets it reach the collector."""
+    objs = [d for d in yaml.safe_load_all(_template(
+        helm, "--set", "router.tracing.enabled=true", "--set-json", "router.tracing.sampleRatio=0.25",
+        "--set", "router.tracing.endpoint=https://otel.observability:4318/v1/traces",
+        "--set", "router.tracing.headersSecret.name=otlp-auth",
+        "--set", "networkPolicy.otlpCollector.ports={4318,443}")) if d]
+    config = _router_config(objs)
+    assert config["tracing"] == {"enabled": True, "endpoint": "https://otel.observability:4318/v1/traces",
+                                 "serviceName": f"{RELEASE}-fleetroute", "sampleRatio": 0.25,
+                                 "headersEnv": "FLEETROUTE_OTLP_HEADERS"}
+    (router,) = _one(objs, "Deployment", f"{RELEASE}-fleetroute")["spec"]["template"]["spec"]["containers"]
+    (env,) = [e for e in router["env"] if e["name"] == "FLEETROUTE_OTLP_HEADERS"]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "otlp-auth", "key": "headers"}
+    monkeypatch.setenv("FLEETROUTE_OTLP_HEADERS", "x-api-key=abc")
+    tracing = parse_settings({"tracing": config["tracing"]}).tracing
+    assert tracing is not None and tracing.enabled and tracing.headers == (("x-api-key", "abc"),)
+    egress = _one(objs, "NetworkPolicy", f"{RELEASE}-fleetroute-router")["spec"]["egress"]
+    assert {"ports": [{"port": 4318, "protocol": "TCP"}, {"port": 443, "protocol": "TCP"}]} in egress
+    # Off by default: no block, no variable, no egress rule for a collector.
+    default = [d for d in yaml.safe_load_all(_template(helm)) if d]
+    assert "tracing" not in _router_config(default)
+    egress = _one(default, "NetworkPolicy", f"{RELEASE}-fleetroute-router")["spec"]["egress"]
+    assert all(rule.get("ports") != [{"port": 4318, "protocol": "TCP"}] for rule in egress)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "router.tracing.sampleRatio=2"], "at '/router/tracing/sampleRatio'"),
+        (["--set", "router.tracing.endpoint=collector:4318"], "at '/router/tracing/endpoint'"),
+        (["--set", "router.tracing.sample=1"], "sample"),
+    ],
+    ids=["ratio-above-1", "not-a-url", "unknown-key"],
+)
+def test_bad_tracing_values_are_rejected_with_a_clear_message(helm, args, message):
+    result = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args, check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]

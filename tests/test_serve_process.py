@@ -23,7 +23,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def start_process(tmp_path: Path, engines, workers: int) -> tuple[asyncio.subprocess.Process, str, str, list[dict]]:
+async def start_process(tmp_path: Path, engines, workers: int,
+                        **extra) -> tuple[asyncio.subprocess.Process, str, str, list[dict]]:
     port, admin = free_port(), free_port()
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
@@ -34,6 +35,7 @@ async def start_process(tmp_path: Path, engines, workers: int) -> tuple[asyncio.
         "shutdownGrace": "10s",
         # The test's client keeps its connection once its stream ends: it is closed idle when the drain ends.
         "drainConnections": "1s",
+        **extra,
     }
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -153,6 +153,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         ("policies:\n  - {name: p, strategy: fastest}\n", "policies[0].strategy: must be one of"),
         ("listen: [1, 2]\n", "listen: must be a mapping"),
         ("endpoints: [{id: a, url: 'ftp://x', models: [m]}]\n", "endpoints[0].url: must be an http:// or https:// URL"),
+        ("tracing: {enabled: true, sampleRatio: 2}\n", "tracing.sampleRatio: must be >= 0.0 and <= 1.0, got 2"),
     ],
 )
 def test_cli_bad_config_exits_2_with_one_clear_line(tmp_path: Path, content: str, message: str) -> None:
@@ -304,7 +305,7 @@ def test_an_unknown_top_level_field_error_lists_every_top_level_field() -> None:
         parse_settings({"drainConection": "1s"})
     assert str(info.value) == (
         "drainConection: unknown field (expected one of: admin, auth, control, discovery, drainConnections, endpoints, "
-        "explain, limits, listen, logging, policies, redis, shutdownGrace, stallDetection, telemetry, tenancy, "
+        "explain, limits, listen, logging, policies, redis, shutdownGrace, stallDetection, telemetry, tenancy, tracing, "
         "workers)")
 
 

@@ -282,6 +282,15 @@ watch the release namespace's RoutingPolicies, within the delegation the values 
 {{- with .Values.router.tenancy -}}
 {{- $_ := set $cfg "tenancy" (deepCopy .) -}}
 {{- end -}}
+{{- with .Values.router.tracing -}}
+{{- if .enabled -}}
+{{- $tracing := dict "enabled" true "endpoint" .endpoint "serviceName" (.serviceName | default (include "fleetroute.fullname" $)) "sampleRatio" .sampleRatio -}}
+{{- if .headersSecret.name -}}
+{{- $_ := set $tracing "headersEnv" "FLEETROUTE_OTLP_HEADERS" -}}
+{{- end -}}
+{{- $_ := set $cfg "tracing" $tracing -}}
+{{- end -}}
+{{- end -}}
 {{- if $services -}}
 {{- $_ := set $cfg "discovery" (dict "kubernetes" (dict
       "services" $services
