@@ -316,7 +316,7 @@ async def test_an_unreachable_collector_costs_requests_nothing_and_is_counted(ma
         ({"enabled": True, "endpoint": "collector:4318"}, "tracing.endpoint: must be an http:// or https:// URL"),
         ({"sampleRatio": 1.5}, "tracing.sampleRatio: must be >= 0.0 and <= 1.0, got 1.5"),
         ({"samplingRatio": 0.5}, "tracing.samplingRatio: unknown field"),
-        ({"headersEnv": "FLEETROUTE_TEST_UNSET_VARIABLE"}, "tracing.headersEnv: environment variable"),
+        ({"headersEnv": "FLEETROUTE_TEST_UNSET_VARIABLE"}, "tracing.headersEnv: the environment variable it names is not set"),
         ({"headersEnv": "FLEETROUTE_TEST_BAD_HEADERS"}, "tracing.headersEnv: must hold name=value pairs"),
         ("on", "tracing: must be a mapping"),
     ],
