@@ -90,7 +90,9 @@ def _listener(name: str, epp_port: int, fail_open: bool, subset: list[str] | Non
             "stat_prefix": name,
             "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
                 {"match": {"prefix": "/", "headers": [{"name": "x-test-cluster", "string_match": {"exact": "pool"}}]},
-                 "route": {"cluster": "pool", "timeout": "30s"}},
+                 "route": {"cluster": "pool", "timeout": "30s",
+                           # a gateway's retries walk the picker's fallback list (override_host, below)
+                           "retry_policy": {"retry_on": "connect-failure,reset", "num_retries": 2}}},
                 {"match": {"prefix": "/"}, "route": {"cluster": "engines", "timeout": "30s"}},
             ]}]},
             "http_filters": filters,
@@ -119,7 +121,9 @@ def bootstrap(epp_port: int, engines: list[FakeEngine], *, fail_open: bool, subs
                      "typed_config": {
                          "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3"
                                   ".OverrideHost",
-                         "override_host_sources": [{"header": "x-gateway-destination-endpoint"}],
+                         "override_host_sources": [
+                             {"header": "x-gateway-destination-endpoint"},
+                             {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}],
                          "fallback_policy": {"policies": [{"typed_extension_config": {
                              "name": "envoy.load_balancing_policies.round_robin",
                              "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies"
@@ -219,11 +223,11 @@ async def engines() -> AsyncIterator[list[FakeEngine]]:
 async def make_picker() -> AsyncIterator[Callable[..., Awaitable[RunningPicker]]]:
     started: list[RunningPicker] = []
 
-    async def make(engines: list[FakeEngine], **overrides: Any) -> RunningPicker:
+    async def make(engines: list[FakeEngine], *, fallbacks: int = 0, **overrides: Any) -> RunningPicker:
         settings = parse_settings(router_config(engines, **overrides))
         ctx = build_context(settings, rng=random.Random(7))
         ctx.access_log = AccessLog(io.BytesIO())
-        running = await start_picker(ctx)
+        running = await start_picker(ctx, fallbacks=fallbacks)
         started.append(running)
         return running
 
@@ -408,3 +412,30 @@ async def test_a_failing_endpoint_is_reported_to_health_through_envoy(engines, m
     assert statuses.count(500) == 2 and statuses[-4:] == [200] * 4
     assert picker.ctx.balancer.health_report("e1")["rr"]["excluded"] is not None
     assert picker.ctx.loads.total() == 0
+
+
+async def test_a_killed_engine_is_passed_over_down_the_fallback_list_and_the_served_one_is_counted(
+        engines, make_picker, start_envoy):
+    picker = await make_picker(engines[:2], fallbacks=1, policies=[{
+        "name": "rr", "models": ["*"], "strategy": "round-robin",
+        "outlierDetection": {"consecutiveFailures": 2, "maxEjectionPercent": 50}}])
+    envoy = await start_envoy(bootstrap(picker.grpc_port, engines[:2], fail_open=False, subset=[]))
+    await engines[0].stop()  # the picker does not know yet: no health checks in this config
+    served = {}
+    async with aiohttp.ClientSession() as http:
+        for i in range(6):
+            status, headers, body = await post(http, envoy.listeners["main"], chat(stream=i % 2 == 0), f"k-{i}",
+                                               **{"x-test-cluster": "pool"})
+            assert status == 200, body
+            served[f"k-{i}"] = headers["x-served-by"]
+    assert set(served.values()) == {"e1"}
+    log = access_lines(picker)
+    moved = [rid for rid, line in log.items() if line["picked"] == "e0"]
+    # Round robin picked e0 for every other request until its second failure; each time Envoy's retry took the
+    # fallback (e1), the picker heard so on the response headers and counted the request there. Two failures
+    # ejected e0: no more picks.
+    assert len(moved) == 2 and moved[1] <= "k-3", moved
+    assert all(log[rid]["endpoint"] == "e1" for rid in served)
+    assert picker.ctx.metrics.registry.get_sample_value("fleetroute_epp_served_elsewhere_total") == 2
+    assert picker.ctx.balancer.health_report("e0")["rr"]["excluded"] is not None
+    await _until(lambda: picker.ctx.loads.total() == 0)

@@ -250,8 +250,11 @@ class _Stream:
             served = protocol.served_address(message)
             served_id = self._endpoint_at(served) if served is not None else None
             if served_id is not None and served_id != self.endpoint:
-                # A fallback of the list answered: the request is in flight there, not at the pick.
+                # A fallback of the list answered: the gateway moves on only when an attempt failed, so the pick
+                # failed (its verdict goes to health), and the request is in flight at the fallback now.
                 self.ctx.metrics.epp_served_elsewhere.inc()
+                self._report(502, "connect")
+                self.reported = False
                 self.in_flight.close()
                 self.in_flight = contextlib.ExitStack()
                 self.in_flight.enter_context(self.ctx.loads.track(served_id, self._cost))
@@ -268,13 +271,13 @@ class _Stream:
                 return endpoint.id
         return None
 
-    def _report(self, status: int) -> None:
-        """The answer's verdict on its endpoint (>= 500 is a failure), once."""
+    def _report(self, status: int, kind: str = "http_5xx") -> None:
+        """The answer's verdict on its endpoint (>= 500 is a failure), once per endpoint."""
         if self.reported or self.spec is None:
             return
         self.reported = True
         ok = not failed(status, None)
-        self.ctx.balancer.report_outcome(self.spec, self.model, self.endpoint, ok, "http_5xx", probe=self.probe)
+        self.ctx.balancer.report_outcome(self.spec, self.model, self.endpoint, ok, kind, probe=self.probe)
 
     def finish(self) -> None:
         """The request is over: its in-flight count ends, an unused probe slot is given back, it is counted
