@@ -284,6 +284,8 @@ async def test_whole_and_streamed_answers_land_where_the_picker_routed_them(engi
     # Round robin through Envoy: the picker's decisions spread the nine requests three by three.
     assert sorted(landed.values()).count("e0") == 3 and len(set(landed.values())) == 3
     assert all(len(e.requests) == 3 for e in engines)
+    seen = {next(v for k, v in r["headers"].items() if k.lower() == "x-request-id") for e in engines for r in e.requests}
+    assert seen == set(landed)  # the engines log the ids the picker logged
     assert picker.ctx.loads.total() == 0
 
 
@@ -327,7 +329,9 @@ async def test_the_subset_hint_is_honoured_and_an_empty_choice_is_a_503(engines,
                                         subset=[address(engines[2].url), "10.255.0.1:8000"]))
     async with aiohttp.ClientSession() as http:
         for i in range(4):
-            status, headers, _ = await post(http, envoy.listeners["subset"], chat(stream=i % 2 == 1), f"s-{i}")
+            # A client naming its own destination is overruled: the picker's header replaces it.
+            status, headers, _ = await post(http, envoy.listeners["subset"], chat(stream=i % 2 == 1), f"s-{i}",
+                                            **{"x-gateway-destination-endpoint": address(engines[0].url)})
             assert status == 200 and headers["x-served-by"] == "e2"
         picker.ctx.balancer.set_state("e2", EndpointState.DRAINING)
         status, headers, body = await post(http, envoy.listeners["subset"], chat(), "s-none")

@@ -64,10 +64,11 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
     def __init__(self, ctx: RouterContext, *, fallbacks: int = 0) -> None:
         self._ctx = ctx
         self._fallbacks = fallbacks
+        self._addresses = AddressBook(ctx)
 
     async def Process(self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest],  # noqa: N802 (gRPC's name)
                       context: Any) -> AsyncIterator[ext_proc.ProcessingResponse]:
-        stream = _Stream(self._ctx, self._fallbacks)
+        stream = _Stream(self._ctx, self._fallbacks, self._addresses)
         self._ctx.metrics.epp_streams.inc()
         try:
             async for message in request_iterator:
@@ -82,12 +83,31 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
             stream.finish()
 
 
+class AddressBook:
+    """Which endpoint a gateway's "ip:port" names (the served endpoint): one lookup per response, the map rebuilt
+    only when an address is not (or no longer) where it was."""
+
+    def __init__(self, ctx: RouterContext) -> None:
+        self._ctx = ctx
+        self._by_address: dict[str, str] = {}
+
+    def endpoint_at(self, address: str) -> str | None:
+        found = self._by_address.get(address)
+        if found is not None:
+            endpoint = self._ctx.balancer.endpoint(found)
+            if endpoint is not None and protocol.address(endpoint.url) == address:
+                return found
+        self._by_address = {protocol.address(e.url): e.id for e in self._ctx.balancer.endpoints()}
+        return self._by_address.get(address)
+
+
 class _Stream:
     """One HTTP request's ext_proc exchange and, once routed, its place in flight."""
 
-    def __init__(self, ctx: RouterContext, fallbacks: int) -> None:
+    def __init__(self, ctx: RouterContext, fallbacks: int, addresses: AddressBook) -> None:
         self.ctx = ctx
         self.fallbacks = fallbacks
+        self.addresses = addresses
         self.started = time.perf_counter()
         self.headers: dict[str, str] = {}
         self.subset: tuple[str, ...] | None = None
@@ -169,7 +189,8 @@ class _Stream:
         if unknown is not None:
             return self._refuse(unknown, "invalid")
         self.model = model
-        described = describe(ctx, model, self.request_id, self.headers, payload, self.headers.get(":path", ""))
+        path = self.headers.get(":path", "").split("?", 1)[0]
+        described = describe(ctx, model, self.request_id, self.headers, payload, path)
         spec = self.spec = described.spec
         pin = await session_pin(ctx, spec.name, described.info)
         admission = ctx.admission.pool(spec, model)
@@ -200,7 +221,9 @@ class _Stream:
         ctx.metrics.child(ctx.metrics.epp_decisions, model, "routed").inc()
         log.debug("routed", extra={"request_id": self.request_id, "model": model, "endpoint": view.id,
                                    "destination": addresses})
-        return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=protocol.destination(addresses)),
+        # The engine logs the same request id as the picker (a generated one when the client sent none, or a bad one).
+        common = protocol.destination(addresses, {"x-request-id": self.request_id})
+        return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=common),
                                            dynamic_metadata=protocol.destination_metadata(addresses))
 
     def _outside_subset(self, model: str) -> frozenset[str]:
@@ -266,10 +289,7 @@ class _Stream:
         return protocol.response_headers(extra)
 
     def _endpoint_at(self, address: str) -> str | None:
-        for endpoint in self.ctx.balancer.endpoints():
-            if protocol.address(endpoint.url) == address:
-                return endpoint.id
-        return None
+        return self.addresses.endpoint_at(address)
 
     def _report(self, status: int, kind: str = "http_5xx") -> None:
         """The answer's verdict on its endpoint (>= 500 is a failure), once per endpoint."""

@@ -17,6 +17,7 @@ attribute on the response headers (`response_attributes`), which this module rea
 
 from __future__ import annotations
 
+import functools
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -35,6 +36,7 @@ UPSTREAM_ADDRESS = "upstream.address"
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"  # the gRPC health service name of the picker
 
 
+@functools.lru_cache(maxsize=65536)  # a few endpoints' URLs, asked on every request with a subset hint
 def address(url: str) -> str:
     """An endpoint's "host:port" as a gateway names it (pod IPs under Kubernetes discovery)."""
     parts = urlsplit(url)
@@ -80,13 +82,17 @@ def served_address(request: ext_proc.ProcessingRequest) -> str | None:
     return None
 
 
-def destination(addresses: list[str]) -> ext_proc.CommonResponse:
+def _set(headers: dict[str, str]) -> ext_proc.HeaderMutation:
+    """Set (replace, or add) each header: a client's own `x-gateway-destination-endpoint` never survives."""
+    return ext_proc.HeaderMutation(set_headers=[
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
+                                   append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+        for k, v in headers.items()])
+
+
+def destination(addresses: list[str], extra: dict[str, str] | None = None) -> ext_proc.CommonResponse:
     """The request goes on, with the destination header set (the metadata goes on the ProcessingResponse)."""
-    value = ",".join(addresses)
-    mutation = ext_proc.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=DESTINATION, raw_value=value.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)])
-    return ext_proc.CommonResponse(header_mutation=mutation)
+    return ext_proc.CommonResponse(header_mutation=_set({DESTINATION: ",".join(addresses), **(extra or {})}))
 
 
 def destination_metadata(addresses: list[str]) -> struct_pb2.Struct:
@@ -97,12 +103,8 @@ def destination_metadata(addresses: list[str]) -> struct_pb2.Struct:
 
 def response_headers(extra: dict[str, str]) -> ext_proc.ProcessingResponse:
     """Let the response on, with `extra` headers added."""
-    mutation = ext_proc.HeaderMutation(set_headers=[
-        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
-                                   append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
-        for k, v in extra.items()])
     return ext_proc.ProcessingResponse(
-        response_headers=ext_proc.HeadersResponse(response=ext_proc.CommonResponse(header_mutation=mutation)))
+        response_headers=ext_proc.HeadersResponse(response=ext_proc.CommonResponse(header_mutation=_set(extra))))
 
 
 def immediate(response: web.Response) -> ext_proc.ProcessingResponse:

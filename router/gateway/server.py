@@ -59,7 +59,9 @@ async def start_picker(ctx: RouterContext, *, host: str = "127.0.0.1", port: int
     admin = web.AppRunner(admin_app, access_log=None, shutdown_timeout=1.0)
     await admin.setup()
     site = web.TCPSite(admin, ctx.settings.admin.host, ctx.settings.admin.port)
-    server = grpc.aio.server()
+    # A request body is one ext_proc message (BUFFERED): room for the largest the router accepts, plus framing.
+    limit = ctx.settings.max_body_bytes + (1 << 16)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
     try:
         await site.start()
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(ctx, fallbacks=fallbacks), server)
