@@ -500,3 +500,52 @@ async def test_the_fleetroute_epp_command_serves_health_and_ends_in_flight_with_
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+def _text(seed: int, chars: int) -> str:
+    rng = random.Random(seed)
+    words = "route gpu token cache batch queue model request latency prefix stream engine".split()
+    out = ""
+    while len(out) < chars:
+        out += rng.choice(words) + " "
+    return out[:chars]
+
+
+def _conversations() -> list[tuple[int, dict[str, Any]]]:
+    """Six conversations of three turns (a long system prompt of its own, the turns before), interleaved."""
+    out = []
+    for turn in range(3):
+        for conv in range(6):
+            messages = [{"role": "system", "content": _text(7000 + conv, 3 * 256)}]
+            messages += [{"role": "user", "content": _text(8000 + conv * 10 + t, 200)} for t in range(turn + 1)]
+            out.append((conv, {"model": MODEL, "messages": messages, "max_tokens": 2, "stream": turn == 1}))
+    return out
+
+
+async def test_a_prefix_aware_policy_decides_alike_behind_envoy_and_behind_the_proxy(
+        engines, make_picker, make_router, start_envoy):
+    """One routing core: the same requests, in the same order, with the same seed, go to the same engines through
+    Envoy and the picker as through the aiohttp proxy, and keep their prefix hits."""
+    policies = [{"name": "default", "models": ["*"], "strategy": "prefix-aware"}]
+    picker = await make_picker(engines, policies=policies)
+    envoy = await start_envoy(bootstrap(picker.grpc_port, engines, fail_open=False, subset=[]))
+    router = await make_router(engines, policies=policies)
+    paths: dict[str, list[str]] = {"envoy": [], "proxy": []}
+    async with aiohttp.ClientSession() as http:
+        for n, (_, body) in enumerate(_conversations()):
+            status, headers, _ = await post(http, envoy.listeners["main"], body, f"p-{n}")
+            assert status == 200
+            paths["envoy"].append(headers["x-served-by"])
+            await _until(lambda: picker.ctx.loads.total() == 0)  # as the proxy's: nothing in flight at the next
+            status, headers, _ = await post(http, router.ingress_url, body, f"r-{n}")
+            assert status == 200
+            paths["proxy"].append(headers["x-served-by"])
+    assert paths["envoy"] == paths["proxy"]
+    by_conversation: dict[int, set[str]] = {}
+    for (conv, _), engine in zip(_conversations(), paths["envoy"], strict=True):
+        by_conversation.setdefault(conv, set()).add(engine)
+    assert all(len(served) == 1 for served in by_conversation.values()), by_conversation
+    for ctx in (picker.ctx, router.ctx):
+        events = ctx.metrics.registry.get_sample_value
+        assert events("fleetroute_policy_events_total", {"policy": "default", "event": "prefix_miss"}) == 6
+        assert events("fleetroute_policy_events_total", {"policy": "default", "event": "prefix_hit"}) == 12
