@@ -461,6 +461,7 @@ async def test_the_fleetroute_epp_command_serves_health_and_ends_in_flight_with_
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "router.cli", "epp", "-c", str(config_path), "--host", "127.0.0.1", "--port", "0",
         stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(root)})
+    drained: asyncio.Task[None] | None = None
     try:
         assert process.stderr is not None
         async with asyncio.timeout(30):
@@ -471,6 +472,13 @@ async def test_the_fleetroute_epp_command_serves_health_and_ends_in_flight_with_
                     started = orjson.loads(line)
                     break
         grpc_port = int(started["grpc"].rsplit(":", 1)[1])
+        stderr = process.stderr
+
+        async def drain() -> None:  # its log lines keep coming: a full pipe would block the process
+            while await stderr.readline():
+                pass
+
+        drained = asyncio.create_task(drain())
         async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             checks = health_pb2_grpc.HealthStub(channel)
             for service in ("", SERVICE_NAME):
@@ -500,6 +508,8 @@ async def test_the_fleetroute_epp_command_serves_health_and_ends_in_flight_with_
         if process.returncode is None:
             process.kill()
             await process.wait()
+        if drained is not None:
+            await drained  # ends with the process's stderr
 
 
 def _text(seed: int, chars: int) -> str:
