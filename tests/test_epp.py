@@ -358,6 +358,18 @@ async def test_no_endpoint_is_a_503_and_a_bad_request_a_400_in_the_openai_shape(
     assert decisions("fleetroute_epp_decisions_total", {"model": "", "outcome": "invalid"}) == 2
 
 
+async def test_a_body_over_the_limit_is_a_413_before_any_pick(engines, make_picker, start_envoy):
+    picker = await make_picker(engines[:1], limits={"maxBodyBytes": 1024})
+    envoy = await start_envoy(bootstrap(picker.grpc_port, engines[:1], fail_open=False, subset=[]))
+    big = {**chat(), "messages": [{"role": "user", "content": "x" * 2000}]}
+    async with aiohttp.ClientSession() as http:
+        status, _, body = await post(http, envoy.listeners["main"], big, "big")
+        assert status == 413 and orjson.loads(body)["error"]["code"] == "body_too_large"
+        status, _, _ = await post(http, envoy.listeners["main"], chat(), "small")
+        assert status == 200
+    assert len(engines[0].requests) == 1
+
+
 async def test_admission_sheds_with_a_429_while_the_endpoint_is_at_its_cap(engines, make_picker, start_envoy):
     engines[0].gate = asyncio.Event()
     picker = await make_picker(engines[:1], policies=[{

@@ -140,7 +140,14 @@ class _Stream:
             return CONTINUE_HEADERS
         if kind == "request_body":
             self.body += message.request_body.body
-            if not message.request_body.end_of_stream:  # STREAMED request bodies: decide on the whole body
+            if len(self.body) > self.ctx.settings.max_body_bytes:
+                self.body = bytearray()
+                return self._refuse(reject(self.ctx, 413, f"request body is larger than "
+                                                          f"{self.ctx.settings.max_body_bytes} bytes",
+                                           code="body_too_large"), "invalid")
+            if not message.request_body.end_of_stream:
+                # Only in STREAMED mode, which this picker does not support for routing: Envoy has chosen the host
+                # with the headers before the body's end can name the model (docs/gateway.md: use BUFFERED).
                 return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
             return await self._decide()
         if kind == "request_trailers":
@@ -174,9 +181,6 @@ class _Stream:
         ctx = self.ctx
         body = bytes(self.body)
         self.body = bytearray()
-        if len(body) > ctx.settings.max_body_bytes:
-            return self._refuse(reject(ctx, 413, f"request body is larger than {ctx.settings.max_body_bytes} bytes",
-                                       code="body_too_large"), "invalid")
         try:
             payload = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
