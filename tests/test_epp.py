@@ -18,6 +18,7 @@ import importlib.util
 import io
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,7 +106,7 @@ def _listener(name: str, epp_port: int, fail_open: bool, subset: list[str] | Non
 
 
 def bootstrap(epp_port: int, engines: list[FakeEngine], *, fail_open: bool, subset: list[str],
-              response_body: str = "STREAMED") -> dict[str, Any]:
+              response_body: str = "STREAMED", epp_ca: Path | None = None) -> dict[str, Any]:
     def socket(port: int) -> dict[str, Any]:
         return {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
 
@@ -138,7 +139,14 @@ def bootstrap(epp_port: int, engines: list[FakeEngine], *, fail_open: bool, subs
                  "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                      "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                      "explicit_http_config": {"http2_protocol_options": {}}}},
-                 "load_assignment": {"cluster_name": "epp", "endpoints": [{"lb_endpoints": [socket(epp_port)]}]}},
+                 "load_assignment": {"cluster_name": "epp", "endpoints": [{"lb_endpoints": [socket(epp_port)]}]},
+                 **({} if epp_ca is None else {"transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
+                     "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                     "sni": "fleetroute-epp",
+                     "common_tls_context": {"alpn_protocols": ["h2"], "validation_context": {
+                         "trusted_ca": {"filename": str(epp_ca)},
+                         "match_typed_subject_alt_names": [{"san_type": "DNS",
+                                                            "matcher": {"exact": "fleetroute-epp"}}]}}}}})},
             ],
         },
     }
@@ -228,11 +236,12 @@ async def engines() -> AsyncIterator[list[FakeEngine]]:
 async def make_picker() -> AsyncIterator[Callable[..., Awaitable[RunningPicker]]]:
     started: list[RunningPicker] = []
 
-    async def make(engines: list[FakeEngine], *, fallbacks: int = 0, **overrides: Any) -> RunningPicker:
+    async def make(engines: list[FakeEngine], *, fallbacks: int = 0, tls: tuple[bytes, bytes] | None = None,
+                   **overrides: Any) -> RunningPicker:
         settings = parse_settings(router_config(engines, **overrides))
         ctx = build_context(settings, rng=random.Random(7))
         ctx.access_log = AccessLog(io.BytesIO())
-        running = await start_picker(ctx, fallbacks=fallbacks)
+        running = await start_picker(ctx, fallbacks=fallbacks, tls=tls)
         started.append(running)
         return running
 
@@ -571,3 +580,22 @@ async def test_a_prefix_aware_policy_decides_alike_behind_envoy_and_behind_the_p
         events = ctx.metrics.registry.get_sample_value
         assert events("fleetroute_policy_events_total", {"policy": "default", "event": "prefix_miss"}) == 6
         assert events("fleetroute_policy_events_total", {"policy": "default", "event": "prefix_hit"}) == 12
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make a certificate")
+async def test_envoy_reaches_the_picker_over_tls(engines, make_picker, start_envoy, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=fleetroute-epp", "-addext", "subjectAltName=DNS:fleetroute-epp"],
+                   check=True, capture_output=True, timeout=60)
+    picker = await make_picker(engines[:2], tls=(key.read_bytes(), cert.read_bytes()))
+    envoy = await start_envoy(bootstrap(picker.grpc_port, engines[:2], fail_open=False, subset=[], epp_ca=cert))
+    async with aiohttp.ClientSession() as http:
+        for i in range(2):
+            status, headers, _ = await post(http, envoy.listeners["main"], chat(stream=i == 1), f"tls-{i}")
+            assert status == 200 and headers["x-fleetroute-endpoint"] == headers["x-served-by"]
+        # A plaintext client gets nowhere: the listener speaks only TLS.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+    assert access_lines(picker)["tls-1"]["status"] == 200

@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     epp.add_argument("--fallbacks", type=int, default=0, metavar="N",
                      help="endpoints after the pick in the destination list, for a gateway that retries down it "
                           "(default 0: the pick alone, as an ORIGINAL_DST cluster needs)")
+    epp.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    epp.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     epp.set_defaults(func=_run)
 
 
@@ -63,6 +65,17 @@ def _run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535 or not 0 <= args.fallbacks <= 16:
         print("fleetroute epp: error: --port must be 0-65535 and --fallbacks 0-16", file=sys.stderr)
         return 2
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("fleetroute epp: error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    tls = None
+    if args.tls_cert is not None:
+        try:
+            with open(args.tls_key, "rb") as key, open(args.tls_cert, "rb") as cert:
+                tls = (key.read(), cert.read())
+        except OSError as exc:
+            print(f"fleetroute epp: error: cannot read the TLS files: {exc}", file=sys.stderr)
+            return 2
     try:
         settings = load_settings(path)
     except ConfigError as exc:
@@ -71,7 +84,8 @@ def _run(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level)
     try:
         # The standard loop: grpc.aio drives its own completion queue on it (uvloop is not supported there).
-        asyncio.run(serve(build_context(settings), host=args.host, port=args.port, fallbacks=args.fallbacks))
+        asyncio.run(serve(build_context(settings), host=args.host, port=args.port, fallbacks=args.fallbacks,
+                          tls=tls))
     except ConfigError as exc:
         print(f"fleetroute epp: config error: {exc}", file=sys.stderr)
         return 2

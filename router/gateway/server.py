@@ -50,8 +50,9 @@ class RunningPicker:
         await self.admin.cleanup()
 
 
-async def start_picker(ctx: RouterContext, *, host: str = "127.0.0.1", port: int = 0,
-                       fallbacks: int = 0) -> RunningPicker:
+async def start_picker(ctx: RouterContext, *, host: str = "127.0.0.1", port: int = 0, fallbacks: int = 0,
+                       tls: tuple[bytes, bytes] | None = None) -> RunningPicker:
+    """`tls`: (PEM private key, PEM certificate chain) to serve gRPC over TLS; plaintext (h2c) without."""
     lifecycle_app, admin_app = build_apps(ctx)
     # The ingress app carries the lifecycles; it gets no listener (Envoy is the ingress).
     lifecycle = web.AppRunner(lifecycle_app, access_log=None)
@@ -67,7 +68,9 @@ async def start_picker(ctx: RouterContext, *, host: str = "127.0.0.1", port: int
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(ctx, fallbacks=fallbacks), server)
         checks = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-        bound = server.add_insecure_port(f"{host}:{port}")
+        where = f"{host}:{port}"
+        bound = (server.add_secure_port(where, grpc.ssl_server_credentials([tls])) if tls is not None
+                 else server.add_insecure_port(where))
         if bound == 0:
             raise OSError(f"cannot listen on {host}:{port} for gRPC")
         await server.start()
@@ -83,9 +86,10 @@ async def start_picker(ctx: RouterContext, *, host: str = "127.0.0.1", port: int
     return RunningPicker(ctx, bound, f"http://{admin_host}:{admin_port}", server, checks, lifecycle, admin)
 
 
-async def serve(ctx: RouterContext, *, host: str, port: int, fallbacks: int) -> None:
+async def serve(ctx: RouterContext, *, host: str, port: int, fallbacks: int,
+                tls: tuple[bytes, bytes] | None = None) -> None:
     """Run until SIGTERM or SIGINT, then stop: health NOT_SERVING, `shutdownGrace` for open streams."""
-    running = await start_picker(ctx, host=host, port=port, fallbacks=fallbacks)
+    running = await start_picker(ctx, host=host, port=port, fallbacks=fallbacks, tls=tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -93,7 +97,8 @@ async def serve(ctx: RouterContext, *, host: str, port: int, fallbacks: int) -> 
     log.info("endpoint picker listening", extra={
         "grpc": f"{host}:{running.grpc_port}", "admin": running.admin_url,
         "endpoints": len(ctx.balancer.endpoints()), "models": list(ctx.balancer.models()),
-        "policies": [p.name for p in ctx.settings.policies] or ["default"], "fallbacks": fallbacks})
+        "policies": [p.name for p in ctx.settings.policies] or ["default"], "fallbacks": fallbacks,
+        "tls": tls is not None})
     try:
         await stop.wait()
     finally:
