@@ -237,11 +237,11 @@ async def make_picker() -> AsyncIterator[Callable[..., Awaitable[RunningPicker]]
     started: list[RunningPicker] = []
 
     async def make(engines: list[FakeEngine], *, fallbacks: int = 0, tls: tuple[bytes, bytes] | None = None,
-                   **overrides: Any) -> RunningPicker:
+                   test_hooks: bool = False, **overrides: Any) -> RunningPicker:
         settings = parse_settings(router_config(engines, **overrides))
         ctx = build_context(settings, rng=random.Random(7))
         ctx.access_log = AccessLog(io.BytesIO())
-        running = await start_picker(ctx, fallbacks=fallbacks, tls=tls)
+        running = await start_picker(ctx, fallbacks=fallbacks, tls=tls, test_hooks=test_hooks)
         started.append(running)
         return running
 
@@ -599,3 +599,37 @@ async def test_envoy_reaches_the_picker_over_tls(engines, make_picker, start_env
             with pytest.raises(grpc.aio.AioRpcError):
                 await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
     assert access_lines(picker)["tls-1"]["status"] == 200
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["hooks-off", "hooks-on"])
+async def test_the_conformance_selection_header_steers_only_with_the_test_hooks_on(
+        engines, make_picker, start_envoy, hooks):
+    picker = await make_picker(engines, test_hooks=hooks,
+                               policies=[{"name": "rr", "models": ["*"], "strategy": "round-robin"}])
+    envoy = await start_envoy(bootstrap(picker.grpc_port, engines, fail_open=False, subset=[]))
+    landed = []
+    async with aiohttp.ClientSession() as http:
+        for i in range(6):
+            status, headers, _ = await post(http, envoy.listeners["main"], chat(), f"t-{i}",
+                                            **{"test-epp-endpoint-selection": address(engines[1].url)})
+            assert status == 200
+            landed.append(headers["x-served-by"])
+            # plain Envoy reports no served-endpoint metadata: the echo says so (with the hooks on only)
+            assert headers.get("x-conformance-test-served-endpoint", "").startswith("fail") is hooks
+    assert set(landed) == ({"e1"} if hooks else {"e0", "e1", "e2"})
+
+
+def test_the_served_endpoint_echo_is_the_gateways_report_never_the_pick() -> None:
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+
+    from router.gateway.ext_proc import AddressBook, _Stream
+
+    ctx = build_context(parse_settings({"endpoints": [{"id": "a", "url": "http://10.0.0.1:8000", "models": [MODEL]}],
+                                        "telemetry": {"enabled": False}, "redis": {"url": None}}))
+    stream = _Stream(ctx, 0, AddressBook(ctx), test_hooks=True)
+    message = ext_proc.ProcessingRequest(response_headers=ext_proc.HttpHeaders())
+    message.metadata_context.filter_metadata["envoy.lb"].update(
+        {"x-gateway-destination-endpoint-served": "10.0.0.9:3000"})
+    answer = stream._answered(message)
+    set_headers = {h.header.key: h.header.raw_value for h in answer.response_headers.response.header_mutation.set_headers}
+    assert set_headers["x-conformance-test-served-endpoint"] == b"10.0.0.9:3000"

@@ -40,6 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                           "(default 0: the pick alone, as an ORIGINAL_DST cluster needs)")
     epp.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
     epp.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    epp.add_argument("--conformance-test-hooks", action="store_true",
+                     help="the GIE conformance suite's hooks: the test-epp-endpoint-selection request header names the "
+                          "candidates, x-conformance-test-served-endpoint echoes the gateway's served endpoint. Test "
+                          "clusters only: any client could choose its endpoint")
     epp.set_defaults(func=_run)
 
 
@@ -85,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         # The standard loop: grpc.aio drives its own completion queue on it (uvloop is not supported there).
         asyncio.run(serve(build_context(settings), host=args.host, port=args.port, fallbacks=args.fallbacks,
-                          tls=tls))
+                          tls=tls, test_hooks=args.conformance_test_hooks))
     except ConfigError as exc:
         print(f"fleetroute epp: config error: {exc}", file=sys.stderr)
         return 2

@@ -61,14 +61,15 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
     """`fallbacks`: further endpoints after the pick in the destination list (0: the pick alone, which an
     ORIGINAL_DST cluster needs; a gateway with Envoy's override_host policy and retries can walk a list)."""
 
-    def __init__(self, ctx: RouterContext, *, fallbacks: int = 0) -> None:
+    def __init__(self, ctx: RouterContext, *, fallbacks: int = 0, test_hooks: bool = False) -> None:
         self._ctx = ctx
         self._fallbacks = fallbacks
         self._addresses = AddressBook(ctx)
+        self._test_hooks = test_hooks  # the GIE conformance suite's hooks (router/gateway/protocol.py)
 
     async def Process(self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest],  # noqa: N802 (gRPC's name)
                       context: Any) -> AsyncIterator[ext_proc.ProcessingResponse]:
-        stream = _Stream(self._ctx, self._fallbacks, self._addresses)
+        stream = _Stream(self._ctx, self._fallbacks, self._addresses, self._test_hooks)
         self._ctx.metrics.epp_streams.inc()
         try:
             async for message in request_iterator:
@@ -104,10 +105,12 @@ class AddressBook:
 class _Stream:
     """One HTTP request's ext_proc exchange and, once routed, its place in flight."""
 
-    def __init__(self, ctx: RouterContext, fallbacks: int, addresses: AddressBook) -> None:
+    def __init__(self, ctx: RouterContext, fallbacks: int, addresses: AddressBook, test_hooks: bool = False) -> None:
         self.ctx = ctx
         self.fallbacks = fallbacks
         self.addresses = addresses
+        self.test_hooks = test_hooks
+        self.selection: tuple[str, ...] | None = None  # the conformance suite's candidates (test hooks only)
         self.started = time.perf_counter()
         self.headers: dict[str, str] = {}
         self.subset: tuple[str, ...] | None = None
@@ -134,6 +137,8 @@ class _Stream:
             given = self.headers.get("x-request-id")
             self.request_id = given if given and REQUEST_ID.match(given) else uuid.uuid4().hex
             self.subset = protocol.subset_hint(message)
+            if self.test_hooks and self.headers.get(protocol.TEST_SELECTION):
+                self.selection = tuple(v.strip() for v in self.headers[protocol.TEST_SELECTION].split(",") if v.strip())
             if message.request_headers.end_of_stream:  # no body: nothing names a model
                 return self._refuse(reject(self.ctx, 400, "request body must be a JSON object", code="invalid_json"),
                                     "invalid")
@@ -231,12 +236,18 @@ class _Stream:
                                            dynamic_metadata=protocol.destination_metadata(addresses))
 
     def _outside_subset(self, model: str) -> frozenset[str]:
-        """The pool's endpoints the gateway's subset hint leaves out (none without a hint)."""
-        if self.subset is None:
+        """The pool's endpoints the gateway's subset hint (and, with the test hooks, the conformance suite's
+        selection header) leaves out: none without either."""
+        if self.subset is None and self.selection is None:
             return frozenset()
-        allowed = set(self.subset)
-        return frozenset(v.id for v in self.ctx.balancer.candidates(model)
-                         if protocol.address(v.endpoint.url) not in allowed)
+        allowed = set(self.subset) if self.subset is not None else None
+        out = set()
+        for view in self.ctx.balancer.candidates(model):
+            url = view.endpoint.url
+            if (allowed is not None and protocol.address(url) not in allowed) or (
+                    self.selection is not None and not any(protocol.selected(v, url) for v in self.selection)):
+                out.add(view.id)
+        return frozenset(out)
 
     def _fallback_addresses(self, model: str, excluded: frozenset[str]) -> list[str]:
         """Up to `fallbacks` more routable endpoints, the least loaded first (a gateway retry walks them). Not
@@ -288,6 +299,8 @@ class _Stream:
                 self.endpoint, self.probe = served_id, False
             self._report(self.status)
             extra[ENDPOINT_HEADER] = self.endpoint
+        if self.test_hooks:  # only the gateway's report, never the pick: a gateway that does not report fails
+            extra[protocol.TEST_SERVED] = protocol.reported_served(message) or "fail: no served-endpoint metadata"
         if message.response_headers.end_of_stream:
             self.finish()
         return protocol.response_headers(extra)

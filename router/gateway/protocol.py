@@ -34,6 +34,9 @@ SERVED = "x-gateway-destination-endpoint-served"
 ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"  # where Envoy puts the attributes it was asked for
 UPSTREAM_ADDRESS = "upstream.address"
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"  # the gRPC health service name of the picker
+# The GIE conformance suite's test hooks (`--conformance-test-hooks`; off by default: any client could steer).
+TEST_SELECTION = "test-epp-endpoint-selection"  # request: "ip" or "ip:port", comma-separated: the candidates
+TEST_SERVED = "x-conformance-test-served-endpoint"  # response: the gateway's served-endpoint metadata, echoed
 
 
 @functools.lru_cache(maxsize=65536)  # a few endpoints' URLs, asked on every request with a subset hint
@@ -65,6 +68,20 @@ def subset_hint(request: ext_proc.ProcessingRequest) -> tuple[str, ...] | None:
     if value.HasField("string_value"):  # tolerated: one comma-separated string
         return tuple(s.strip() for s in value.string_value.split(",") if s.strip())
     return ()
+
+
+def reported_served(request: ext_proc.ProcessingRequest) -> str | None:
+    """The gateway's own served-endpoint metadata (GIE), as it sent it; None when it sent none."""
+    lb = request.metadata_context.filter_metadata.get(DESTINATION_NAMESPACE)
+    if lb is not None and SERVED in lb.fields and lb.fields[SERVED].HasField("string_value"):
+        return lb.fields[SERVED].string_value
+    return None
+
+
+def selected(value: str, url: str) -> bool:
+    """Does a test-selection entry ("ip" or "ip:port") name the endpoint at `url`?"""
+    where = address(url)
+    return value == where or value == where.rsplit(":", 1)[0]
 
 
 def served_address(request: ext_proc.ProcessingRequest) -> str | None:

@@ -51,7 +51,7 @@ class RunningPicker:
 
 
 async def start_picker(ctx: RouterContext, *, host: str = "127.0.0.1", port: int = 0, fallbacks: int = 0,
-                       tls: tuple[bytes, bytes] | None = None) -> RunningPicker:
+                       tls: tuple[bytes, bytes] | None = None, test_hooks: bool = False) -> RunningPicker:
     """`tls`: (PEM private key, PEM certificate chain) to serve gRPC over TLS; plaintext (h2c) without."""
     lifecycle_app, admin_app = build_apps(ctx)
     # The ingress app carries the lifecycles; it gets no listener (Envoy is the ingress).
@@ -65,7 +65,8 @@ async def start_picker(ctx: RouterContext, *, host: str = "127.0.0.1", port: int
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
     try:
         await site.start()
-        ext_proc_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(ctx, fallbacks=fallbacks), server)
+        picker = EndpointPicker(ctx, fallbacks=fallbacks, test_hooks=test_hooks)
+        ext_proc_grpc.add_ExternalProcessorServicer_to_server(picker, server)
         checks = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(checks, server)
         where = f"{host}:{port}"
@@ -87,9 +88,11 @@ async def start_picker(ctx: RouterContext, *, host: str = "127.0.0.1", port: int
 
 
 async def serve(ctx: RouterContext, *, host: str, port: int, fallbacks: int,
-                tls: tuple[bytes, bytes] | None = None) -> None:
+                tls: tuple[bytes, bytes] | None = None, test_hooks: bool = False) -> None:
     """Run until SIGTERM or SIGINT, then stop: health NOT_SERVING, `shutdownGrace` for open streams."""
-    running = await start_picker(ctx, host=host, port=port, fallbacks=fallbacks, tls=tls)
+    running = await start_picker(ctx, host=host, port=port, fallbacks=fallbacks, tls=tls, test_hooks=test_hooks)
+    if test_hooks:
+        log.warning("conformance test hooks on: any client can choose its endpoint with test-epp-endpoint-selection")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
