@@ -274,10 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     # The CLI is the composition root: the one place where router and worker commands meet.
     from loadtest.cli import add_parser as add_loadtest_parser
     from loadtest.demo import add_parser as add_demo_parser
+    from router.gateway.cli import add_parser as add_epp_parser
     from worker.agent import add_parser as add_agent_parser
     from worker.node_agent import add_parser as add_node_agent_parser
     from worker.sim.cli import add_parser as add_sim_parser
 
+    add_epp_parser(sub)
     add_sim_parser(sub)
     add_agent_parser(sub)
     add_node_agent_parser(sub)

@@ -32,20 +32,25 @@ from router.context import CONTEXT, RouterContext
 from router.cost import CostEstimate, CostSettings, relative_error
 from router.errors import clip, error_response
 from router.explain import Attempt, Decision
-from router.model import EndpointState, EndpointView, RequestInfo
+from router.model import EndpointState, EndpointView
 from router.output_tokens import OutputCounter
 from router.policies.base import MAX_LISTED, DecisionTrace
-from router.policies.consistent_hash import load_bound
 from router.proxy import Outcome, UpstreamFailed, UpstreamRescued
 from router.redaction import redact_url
 from router.request_body import BodyRejected, expect_handler, read_body
-from router.sticky import StickyTable
+from router.routing import (
+    Pin,
+    choose,
+    describe,
+    failed,
+    no_endpoint,
+    reject,
+    requested_model,
+    session_pin,
+    unknown_model,
+)
 from router.tenants import Tenant
 from router.tracing import NO_TRACE, RequestTrace
-
-# Costs are estimated with the defaults for policies without a `cost:` block once tenants are configured: a
-# tenant's tokens, budgets and fair share are all counted in them.
-TENANT_COST = CostSettings()
 
 log = logging.getLogger("fleetroute.handlers")
 
@@ -53,13 +58,6 @@ INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # A client's X-Request-Id is kept (it is forwarded, returned and logged) only when it looks like an id: at most
 # 128 characters, none that could break a log line or a header. Anything else is replaced by a generated one.
 REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+=@-]{0,127}$")
-MAX_LISTED_MODELS = 20  # models a model_not_found message lists
-
-
-def _reject(ctx: RouterContext, status: int, message: str, *, code: str, param: str | None = None,
-            headers: dict[str, str] | None = None) -> web.Response:
-    ctx.metrics.rejected.labels(code).inc()
-    return error_response(status, message, code=code, param=param, headers=headers)
 
 
 @dataclass
@@ -245,9 +243,9 @@ def _learn_cost(ctx: RouterContext, served: Served, status: int) -> tuple[int | 
 async def _serve(request: web.Request, ctx: RouterContext, request_id: str, started: float, served: Served) -> None:
     bad_header = _undecodable_header(request)
     if bad_header is not None:
-        served.response = _reject(ctx, 400, f"header {clip(bad_header, 64)} holds bytes that are not UTF-8; the "
-                                            "router forwards header values unchanged or not at all",
-                                  code="invalid_header_value", param=clip(bad_header, 64))
+        served.response = reject(ctx, 400, f"header {clip(bad_header, 64)} holds bytes that are not UTF-8; the "
+                                           "router forwards header values unchanged or not at all",
+                                 code="invalid_header_value", param=clip(bad_header, 64))
         return
     try:
         body = await read_body(request, limit=ctx.settings.max_body_bytes, timeout=ctx.settings.client_timeouts.body,
@@ -261,43 +259,26 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        served.response = _reject(ctx, 400, f"request body is not valid JSON: {exc}", code="invalid_json")
+        served.response = reject(ctx, 400, f"request body is not valid JSON: {exc}", code="invalid_json")
         return
-    if not isinstance(payload, dict):
-        served.response = _reject(ctx, 400, "request body must be a JSON object", code="invalid_json")
-        return
-    model = payload.get("model")
-    if not isinstance(model, str) or not model:
-        message = "you must provide a model parameter" if model is None else "model must be a non-empty string"
-        served.response = _reject(ctx, 400, message, code="missing_model", param="model")
+    model = requested_model(ctx, payload)
+    if isinstance(model, web.Response):
+        served.response = model
         return
     served.requested_model = model  # for the access log; metric labels only ever carry served models
-    balancer = ctx.balancer
-    if not balancer.serves(model):
-        models = balancer.models()
-        available = ", ".join(models[:MAX_LISTED_MODELS]) or "none"
-        if len(models) > MAX_LISTED_MODELS:
-            available += f" and {len(models) - MAX_LISTED_MODELS} more (GET /v1/models)"
-        served.response = _reject(
-            ctx, 404, f"The model `{clip(model)}` does not exist. Available models: {available}",
-            code="model_not_found", param="model",
-        )
+    unknown = unknown_model(ctx, model)
+    if unknown is not None:
+        served.response = unknown
         return
     served.model = model
-    info = RequestInfo(model=model, request_id=request_id, headers=request.headers, body=payload)
-    spec = balancer.policy_for(model)
-    # None unless this request is explained (asked for by someone allowed to, or sampled): router/explain.py.
-    decision = served.decision = ctx.decisions.begin(request.headers, request_id, model, spec.name, spec.strategy)
+    balancer = ctx.balancer
     tenancy = ctx.settings.tenancy
     tenant = served.tenant = tenancy.identify(request) if tenancy is not None else None
-    cost_settings = spec.cost or (TENANT_COST if tenant is not None else None)
-    cost = 0.0
-    if cost_settings is not None:  # the policy (or tenancy) estimates request costs (router/cost.py): microseconds
-        estimate = served.estimate = ctx.cost.estimate(info, request.path, cost_settings)
-        served.cost_settings = cost_settings
-        cost = estimate.cost.total
-        info = RequestInfo(model=model, request_id=request_id, headers=request.headers, body=payload,
-                           cost=estimate.cost)
+    described = describe(ctx, model, request_id, request.headers, payload, request.path, tenant=tenant)
+    info, spec, cost = described.info, described.spec, described.cost
+    served.estimate, served.cost_settings = described.estimate, described.cost_settings
+    # None unless this request is explained (asked for by someone allowed to, or sampled): router/explain.py.
+    decision = served.decision = ctx.decisions.begin(request.headers, request_id, model, spec.name, spec.strategy)
     if tenant is not None and tenant.budgeted and ctx.budgets is not None:
         # Before the queue: the check awaits Redis, and nothing may await between admission and the forward.
         assert served.estimate is not None  # tenants always have estimates (TENANT_COST)
@@ -306,7 +287,7 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
             ctx.metrics.tenant_shed.labels(tenant.name, model, verdict.reason).inc()
             served.response = verdict.response
             return
-    pin = await _session_pin(ctx, spec.name, info)
+    pin = await session_pin(ctx, spec.name, info)
     # Admission (router/admission.py): None unless the policy caps endpoint concurrency. No await may come
     # between `admit` and the forward below, which is what marks the admitted request in flight.
     admission = ctx.admission.pool(spec, model)
@@ -342,7 +323,7 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
         # The picker explains itself to an explained request, and gives a traced one its reason (the pick span).
         why = DecisionTrace() if decision is not None or trace.recording else None
         trace.pick_began()
-        view = _choose(ctx, info, excluded, pin, why)
+        view = choose(ctx, info, excluded, pin, why)
         picks += 1
         trace.picked(picks, spec.name, spec.strategy, view.id if view is not None else None,
                      why.reason if why is not None else "")
@@ -418,8 +399,8 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
             if attempt is not None:
                 attempt.outcome, attempt.status = outcome.error or "answered", outcome.status
             if outcome.error != "client_disconnect":  # the client leaving says nothing about the endpoint
-                failed = outcome.status >= 500 or outcome.error in FAILURE_KINDS
-                balancer.report_outcome(spec, model, view.id, not failed, outcome.error or "http_5xx", probe=probe)
+                bad = failed(outcome.status, outcome.error)
+                balancer.report_outcome(spec, model, view.id, not bad, outcome.error or "http_5xx", probe=probe)
                 reported = True
             served.response = outcome.response
             return
@@ -429,16 +410,11 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     if failure is not None:
         served.response = _failed_response(model, failure, tried)
         return
-    served.response = _reject(
-        ctx, 503, f"no healthy endpoint is serving model `{model}` right now", code="no_endpoint",
-        headers={"Retry-After": "1"},
-    )
+    served.response = no_endpoint(ctx, model)
 
 
 # Below this much time left before `timeouts.total`, no new attempt is started.
 MIN_ATTEMPT_SECONDS = 0.05
-# Outcomes that count against an endpoint (a client disconnect does not).
-FAILURE_KINDS = frozenset({"timeout", "idle_timeout", "total_timeout", "disconnect", "invalid_response", "stalled"})
 
 
 def _failed_response(model: str, failure: UpstreamFailed, tried: frozenset[str]) -> web.Response:
@@ -449,65 +425,6 @@ def _failed_response(model: str, failure: UpstreamFailed, tried: frozenset[str])
     if failure.kind in ("http_5xx", "ejected", "health_check", "gpu_lost"):  # the last three: taken off (rescue)
         return error_response(502, f"upstream error: {where}", code="upstream_error")
     return error_response(502, f"could not connect: {where}", code="upstream_unreachable")
-
-
-@dataclass
-class _Pin:
-    """A request's session and the endpoint its session is pinned to (None: not pinned yet)."""
-
-    table: StickyTable
-    session: str
-    pinned: str | None
-    outcome: str | None = None
-
-
-async def _session_pin(ctx: RouterContext, policy: str, info: RequestInfo) -> _Pin | None:
-    table = ctx.sticky.get(policy)
-    if table is None:
-        return None
-    session = table.settings.session(info)
-    if session is None:
-        return None
-    return _Pin(table, session, await table.lookup(session))
-
-
-def _choose(ctx: RouterContext, info: RequestInfo, tried: frozenset[str], pin: _Pin | None,
-            trace: DecisionTrace | None = None) -> EndpointView | None:
-    """The session's pinned endpoint while it may take the request, else the policy's pick (re-pinned)."""
-    if pin is not None and pin.pinned is not None and pin.pinned not in tried:
-        view, outcome = ctx.balancer.sticky_candidate(info.model, pin.pinned, pin.table.settings.max_load_factor)
-        if pin.outcome is None:
-            pin.outcome = outcome
-            ctx.metrics.sticky_decisions.labels(pin.table.policy, outcome).inc()
-        if trace is not None:
-            explain_pin(ctx, info.model, pin.pinned, outcome, pin.table.settings.max_load_factor, trace)
-        if view is not None:
-            pin.table.pin(pin.session, view.id)
-            ctx.balancer.observe(info, view)
-            if trace is not None:
-                trace.reason = "sticky_hit"  # the policy was not asked: the session keeps its endpoint
-                ctx.balancer.annotate(info.model, trace, tried)
-            return view
-    view = ctx.balancer.pick(info, tried) if trace is None else ctx.balancer.pick(info, tried, trace)
-    if pin is not None and view is not None:
-        if pin.outcome is None:
-            pin.outcome = "new"
-            ctx.metrics.sticky_decisions.labels(pin.table.policy, "new").inc()
-        pin.table.pin(pin.session, view.id)
-    return view
-
-
-# ---- explanations: only for requests that are explained (router/explain.py) ------------------------------
-
-
-def explain_pin(ctx: RouterContext, model: str, pinned: str, outcome: str, factor: float,
-                trace: DecisionTrace) -> None:
-    """The pinned endpoint's side of the sticky check: its load and the bound it was held to."""
-    pool = ctx.balancer.candidates(model)
-    if any(v.id == pinned for v in pool):
-        trace.note(pinned, sticky=outcome, cluster_in_flight=ctx.loads.cluster_in_flight(pinned),
-                   sticky_bound=load_bound(pool, ctx.loads, factor))
-    trace.detail["sticky"] = {"pinned": pinned, "outcome": outcome}
 
 
 def explain_admission(decision: Decision, settings: AdmissionSettings, headers: Mapping[str, str], waited: float,
@@ -523,7 +440,7 @@ def explain_admission(decision: Decision, settings: AdmissionSettings, headers: 
 
 def explain_attempt(ctx: RouterContext, decision: Decision, model: str, view: EndpointView | None,
                     trace: DecisionTrace | None, tried: frozenset[str], denied: frozenset[str],
-                    excluded: frozenset[str], pin: _Pin | None) -> Attempt:
+                    excluded: frozenset[str], pin: Pin | None) -> Attempt:
     """Record one pick: why each excluded endpoint was out of this attempt, the pool, and stickiness."""
     reasons = {}
     for endpoint_id in sorted(excluded)[:MAX_LISTED]:  # bounded: a retry storm on a big fleet stays small
@@ -573,13 +490,13 @@ async def openai_errors(
         return await handler(request)
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
-        return _reject(
+        return reject(
             request.app[CONTEXT], 405,
             f"method {clip(request.method, 32)} is not allowed on {clip(request.path)} (allowed: {allowed})",
             code="method_not_allowed", headers={"Allow": allowed},
         )
     except web.HTTPNotFound:
-        return _reject(request.app[CONTEXT], 404, f"no such route: {clip(request.method, 32)} {clip(request.path)}",
+        return reject(request.app[CONTEXT], 404, f"no such route: {clip(request.method, 32)} {clip(request.path)}",
                        code="not_found")
     except web.HTTPException:
         raise

@@ -636,6 +636,34 @@ class RouterMetrics:
             "Status page data feed requests answered (GET /status/feed): about one per second per open page.",
             registry=r,
         )
+        # The ext_proc endpoint picker (router/gateway/): Envoy forwards, the router only decides.
+        self.epp_decisions = Counter(
+            "fleetroute_epp_decisions",
+            "Endpoint-picker decisions answered to the gateway over ext_proc, by model ('' when the request named "
+            "none the fleet serves) and outcome: routed (a destination was set), no_endpoint (503), shed (admission "
+            "refused it: 429 or 503), invalid (the request was refused: 4xx), error (an unexpected failure: 500).",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.epp_decision_seconds = Histogram(
+            "fleetroute_epp_decision_seconds",
+            "Time from the request body's arrival at the endpoint picker to its answer (parse, admission wait "
+            "included, and pick).",
+            buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.1, 1.0, 10.0),
+            registry=r,
+        )
+        self.epp_served_elsewhere = Counter(
+            "fleetroute_epp_served_elsewhere",
+            "Responses the gateway reports as served by another endpoint than the picked one (a fallback of the "
+            "list taken on a retry): the request's in-flight count moved there.",
+            registry=r,
+        )
+        self.epp_streams = Gauge(
+            "fleetroute_epp_streams",
+            "ext_proc streams open (one per request the gateway is processing).",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
         # The families whose series name an endpoint, with the position of that label. prometheus-client has no
         # public accessor for a family's label names and series (`_labelnames`, `_metrics`). Its
         # `remove_by_labels` (0.24+) would scan every series once per endpoint that left: 1.5 s for 100 of them
