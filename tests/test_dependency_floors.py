@@ -55,8 +55,8 @@ def test_installed_versions_satisfy_the_declared_requirements(requirement: Requi
 
 def test_opentelemetry_protos_are_opentelemetry_protos_own() -> None:
     """xds-protos ships an old copy of `opentelemetry/proto/*` (grpc/grpc#42926): installed after opentelemetry-proto
-    it overwrites the files, and the router's OTLP exporter (tracing) cannot be imported. The newer files serve
-    xds-protos's Envoy modules as well, so opentelemetry-proto must be the one installed last."""
+    it overwrites the files, and the router's OTLP exporter (tracing) cannot be imported. So nothing fleetroute
+    installs may bring it (the endpoint picker carries its own Envoy protos, router/gateway/envoy_api)."""
     try:
         from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope  # noqa: F401
     except ImportError as exc:

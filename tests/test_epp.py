@@ -620,7 +620,7 @@ async def test_the_conformance_selection_header_steers_only_with_the_test_hooks_
 
 
 def test_the_served_endpoint_echo_is_the_gateways_report_never_the_pick() -> None:
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+    from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 
     from router.gateway.ext_proc import AddressBook, _Stream
 

@@ -29,8 +29,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
 from router.context import RouterContext
 from router.errors import error_response

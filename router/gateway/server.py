@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.app import build_apps
