@@ -219,6 +219,7 @@ class Balancer:
         self._pickers = pickers
         self._pools = pools
         self._pool_ids = pool_ids
+        self.loads.set_pools(pools)
         self._models = frozenset(snapshot.models())
         self._held_out.clear()
         self._dirty_models.clear()
@@ -255,6 +256,7 @@ class Balancer:
             if model in self._models:
                 pool_ids[model], pools[model], pickers[model] = self._build_pool(self.snapshot, model, now)
         self._pickers, self._pools, self._pool_ids = pickers, pools, pool_ids
+        self.loads.set_pools({m: pools[m] for m in self._dirty_models if m in pools}, replace=False)
         self._dirty_models.clear()
         self._held_out.clear()
         self._metrics.rebuilds.inc()

@@ -116,7 +116,8 @@ class RouterMetrics:
             "fleetroute_policy_events",
             "Noteworthy policy decisions: hash_key_missing (consistent-hash fell back to least-connections), "
             "telemetry_unknown (adaptive picked an endpoint without fresh telemetry), load_bound_overflow "
-            "(a key walked the ring past an endpoint at its load bound), prefix_hit / prefix_miss / prefix_short "
+            "(a key walked the ring past an endpoint at its load bound), load_bound_walk_capped (that walk met "
+            "32 endpoints at the bound and took the least-loaded one), prefix_hit / prefix_miss / prefix_short "
             "(prefix-aware found / found no endpoint holding the prompt's leading blocks / found one holding less "
             "than minMatchShare of them), prefix_outweighed (least-prefill sent a request away from its prefix's "
             "holder, whose queued prefill or speed made its first token later), load_guard_in_flight / "
