@@ -88,11 +88,12 @@ class LoadTracker:
     def set_pools(self, pools: Mapping[str, tuple[EndpointView, ...]], *, replace: bool = True) -> None:
         """Index these pools (by model) from the current counts; with `replace`, they are all the pools and any
         other's index goes. A pool with too many distinct capacity scales is left to scans. Costs O(pool)
-        per pool given, as the rebuild that built it; an unchanged pool (same tuple) keeps its index."""
+        per pool given, as the rebuild that built it; an unchanged pool (the same endpoints at the same scales, as
+        after a telemetry round) keeps its index."""
         indexes = {} if replace else dict(self._indexes)
         for model, views in pools.items():
             old = self._indexes.get(model)
-            if old is not None and old.views is views:
+            if old is not None and (old.views is views or old.rebind(views)):
                 indexes[model] = old
             elif LoadIndex.fits(views):
                 indexes[model] = LoadIndex(views, self._counts)

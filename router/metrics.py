@@ -333,7 +333,15 @@ class RouterMetrics:
         self._policy_info: set[tuple[str, str, str]] = set()
         self.rebuilds = Counter(
             "fleetroute_snapshot_rebuilds",
-            "Routing snapshots (and pickers) rebuilt after endpoint, state or telemetry changes.",
+            "Routing snapshots (and pickers) rebuilt after endpoint, state or health changes (and telemetry rounds "
+            "that changed GPU health); telemetry rounds that changed only telemetry values count in "
+            "fleetroute_snapshot_refreshes_total instead.",
+            registry=r,
+        )
+        self.refreshes = Counter(
+            "fleetroute_snapshot_refreshes",
+            "Telemetry rounds applied without a full rebuild: new telemetry in the snapshot, pickers rebuilt only "
+            "for policies that read telemetry, over the pools the last rebuild admitted.",
             registry=r,
         )
         # Admission control (router/admission.py): only policies with admission.maxConcurrentPerEndpoint.

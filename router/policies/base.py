@@ -114,6 +114,9 @@ class Policy(Protocol):
         """Validate raw parameters; raise PolicyConfigError naming the field. Returns a frozen config."""
         ...
 
+    # Optional: `reads_telemetry = False` on a policy whose build and picks never read `EndpointView.telemetry`:
+    # a telemetry round then keeps its pickers as they are (balancer.py `refresh_telemetry`). Absent: True.
+
     def new_state(self) -> Any:
         """Per-pool state carried across rebuilds (or None). A state that keeps anything per endpoint has a
         `forget_endpoints(gone: frozenset[str])` method, which the balancer calls when endpoints leave the fleet

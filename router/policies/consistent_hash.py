@@ -255,6 +255,8 @@ def ring_walk(ring: HashRing, key: str) -> Iterator[str]:
 class ConsistentHashPolicy:
     name = "consistent-hash"
     config_key = "consistentHash"
+    # Neither its build nor its picks read telemetry: a telemetry round keeps its picker (balancer.py).
+    reads_telemetry = False
 
     def parse(self, params: Mapping[str, Any]) -> ConsistentHashConfig:
         reject_unknown(params, {"key", "maxLoadFactor"})

@@ -103,6 +103,19 @@ class LoadIndex:
                 return False
         return True
 
+    def rebind(self, views: tuple[EndpointView, ...]) -> bool:
+        """Take `views` as this pool's if they are the same endpoints at the same capacity scales (new telemetry,
+        as a telemetry round makes them): the buckets stay, only the views returned change. False if not."""
+        old = self.views
+        if len(views) != len(old) or any(
+                a.id != b.id or a.weight_factor != b.weight_factor or a.endpoint.weight != b.endpoint.weight
+                for a, b in zip(views, old, strict=True)):
+            return False
+        self.views = views
+        self._by_id = {v.id: v for v in views}
+        self._others = None  # recount the others' share against the new tuple's members (the same ids)
+        return True
+
     def __contains__(self, endpoint_id: str) -> bool:
         return endpoint_id in self._set_of
 

@@ -72,6 +72,8 @@ class RoundRobinPicker:
 class RoundRobinPolicy:
     name = "round-robin"
     config_key = "roundRobin"
+    # Neither its build nor its picks read telemetry: a telemetry round keeps its picker (balancer.py).
+    reads_telemetry = False
 
     def parse(self, params: Mapping[str, Any]) -> RoundRobinConfig:
         reject_unknown(params, set())
