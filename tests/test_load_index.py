@@ -11,6 +11,7 @@ stale index behind.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 
@@ -18,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from uhashring import HashRing
 
+from router.app import build_context
 from router.balancer import Balancer
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
@@ -26,7 +28,7 @@ from router.policies.base import DecisionTrace, _least, least_loaded, pool_index
 from router.policies.consistent_hash import MAX_BOUNDED_WALK, load_bound, ring_walk
 from router.policies.load_index import MAX_SCALES, LoadIndex
 from router.policies.registry import PolicyRegistry
-from router.settings import PolicySpec
+from router.settings import PolicySpec, parse_settings
 
 PROPERTY = settings(max_examples=150, deadline=None, derandomize=True, database=None)
 
@@ -269,3 +271,28 @@ def test_a_bounded_walk_past_many_full_endpoints_is_capped_and_takes_the_least_l
 
 def pool_ring(balancer: Balancer, spec: PolicySpec) -> HashRing:
     return balancer._pool_state[(spec.name, "m")].ring
+
+
+async def test_an_endpoint_held_out_by_an_outcome_is_never_the_indexed_least_loaded_one():
+    # The held-out endpoint is idle, so it is what the index ranks first; picks must still avoid it until the
+    # coalesced rebuild, and after it (its pool, re-indexed without it).
+    ctx = build_context(parse_settings({
+        "endpoints": [{"id": f"gpu-{i}", "url": f"http://127.0.0.1:{9 + i}", "models": ["m"]} for i in range(4)],
+        "policies": [{"name": "lc", "strategy": "least-connections",
+                      "outlierDetection": {"consecutiveFailures": 1, "maxEjectionPercent": 100},
+                      "panicThreshold": 0}],
+        "telemetry": {"enabled": False}, "redis": {"url": None}}))
+    balancer, loads = ctx.balancer, ctx.loads
+    held = [loads.track(f"gpu-{i}") for i in (1, 2, 3)]
+    for track in held:
+        track.__enter__()
+    assert loads.load_index(balancer.candidates("m")) is not None
+    balancer.report_outcome(balancer.policy_for("m"), "m", "gpu-0", False, "connect", probe=False)
+    req = RequestInfo(model="m", request_id="r", headers={}, body={})
+    assert {balancer.pick(req).id for _ in range(20)} == {"gpu-1", "gpu-2", "gpu-3"}
+    await asyncio.sleep(0)  # the coalesced rebuild of the pool
+    pool = balancer.candidates("m")
+    assert "gpu-0" not in {v.id for v in pool} and loads.load_index(pool) is not None
+    assert {balancer.pick(req).id for _ in range(20)} == {"gpu-1", "gpu-2", "gpu-3"}
+    for track in held:
+        track.__exit__(None, None, None)
