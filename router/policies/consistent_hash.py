@@ -20,8 +20,9 @@ The ring walk past a full owner is capped at MAX_BOUNDED_WALK endpoints, then th
 (from the pool's load index, router/policies/load_index.py) takes the request; the pool's total in flight
 comes from that index too, so a bounded pick costs the same at 10 or 1,000 endpoints.
 
-The ring is built once per membership and kept in the pool state: telemetry-only rebuilds reuse it
-(the vLLM production-stack router rebuilt its ring per request; we do not).
+The ring is built once per membership and kept in the pool state: rebuilds that keep the membership reuse
+it, and a telemetry round keeps the whole picker (the vLLM production-stack router rebuilt its ring per
+request; we do not).
 """
 
 from __future__ import annotations
