@@ -145,7 +145,7 @@ def summarise(attempt: Attempt) -> str:
     def fmt(value: Any) -> str:
         return f"{value:g}" if isinstance(value, float) else str(value)
 
-    if reason in ("least_loaded", "hash_key_missing", "all_at_bound"):
+    if reason in ("least_loaded", "hash_key_missing", "all_at_bound", "load_bound_walk_capped"):
         unit = "tokens" if d.get("load_unit") == "tokens" else "requests"
         text = f"least load in flight ({fmt(mine.get('load'))} {unit}) of {n} candidates"
         if d.get("tied"):
@@ -154,6 +154,9 @@ def summarise(attempt: Attempt) -> str:
             text = f"no hash key ({d.get('key')}) in the request, so no affinity to keep: " + text
         elif reason == "all_at_bound":
             text = f"every candidate at the load bound ({d.get('bound')}): " + text
+        elif reason == "load_bound_walk_capped":
+            text = (f"the key's owner {d.get('owner')} and the next {d.get('walked')} endpoints on the ring are at "
+                    f"the load bound ({d.get('bound')}): " + text)
         return text
     sentences = {
         "rotation": lambda: f"its turn in the rotation (position {d.get('position')} of {d.get('pool')})",

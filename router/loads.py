@@ -12,6 +12,11 @@ estimate add nothing there, and with no estimates anywhere this costs one compar
 A request whose picker expected the endpoint to compute some prompt tokens (prefix-aware's least-prefill)
 books them as pending prefill until its first byte (router/prefill.py), which also times the endpoint.
 
+Each routing pool (one per model) may have a `LoadIndex` (router/policies/load_index.py): its endpoints
+ordered by in-flight count, moved here at every count change, so least-load picks do not scan the pool. The
+balancer sets them at each rebuild (`set_pools`); a picker finds its pool's by the pool's tuple
+(`load_index`).
+
 An endpoint that leaves keeps all of this until its last request here ends (router/departures.py), so its
 counts stay exact while a terminating pod finishes its streams; then `forget_endpoints` frees it.
 """
@@ -20,11 +25,13 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from router.metrics import RouterMetrics
+from router.model import EndpointView
+from router.policies.load_index import LoadIndex
 from router.prefill import Prefill, PrefillBook
 
 # The mean request cost is exact over the first requests, then an EWMA over about this many.
@@ -51,6 +58,9 @@ class LoadTracker:
         self._prefill_gauge = metrics.pending_prefill
         self._prefill_children: dict[str, Any] = {}
         self._speed_gauge = metrics.prefill_speed
+        self._indexes: dict[str, LoadIndex] = {}  # pool (model) -> its index
+        self._by_pool: dict[int, LoadIndex] = {}  # id() of the pool's views tuple -> its index
+        self._indexed: dict[str, tuple[LoadIndex, ...]] = {}  # endpoint -> the indexes that hold it
 
     def in_flight(self, endpoint_id: str) -> int:
         return self._counts.get(endpoint_id, 0)
@@ -70,6 +80,33 @@ class LoadTracker:
     def prefill_speed(self, endpoint_id: str) -> float | None:
         return self.prefill.speed(endpoint_id)
 
+    def load_index(self, views: tuple[EndpointView, ...]) -> LoadIndex | None:
+        """The index of the pool whose views are exactly `views` (the same tuple), if it has one."""
+        index = self._by_pool.get(id(views))
+        return index if index is not None and index.views is views else None
+
+    def set_pools(self, pools: Mapping[str, tuple[EndpointView, ...]], *, replace: bool = True) -> None:
+        """Index these pools (by model) from the current counts; with `replace`, they are all the pools and any
+        other's index goes. A pool with too many distinct capacity scales is left to scans. Costs O(pool)
+        per pool given, as the rebuild that built it; an unchanged pool (the same endpoints at the same scales, as
+        after a telemetry round) keeps its index."""
+        indexes = {} if replace else dict(self._indexes)
+        for model, views in pools.items():
+            old = self._indexes.get(model)
+            if old is not None and (old.views is views or old.rebind(views)):
+                indexes[model] = old
+            elif LoadIndex.fits(views):
+                indexes[model] = LoadIndex(views, self._counts)
+            else:
+                indexes.pop(model, None)
+        self._indexes = indexes
+        self._by_pool = {id(ix.views): ix for ix in indexes.values()}
+        indexed: dict[str, list[LoadIndex]] = {}
+        for ix in indexes.values():
+            for view in ix.views:
+                indexed.setdefault(view.id, []).append(ix)
+        self._indexed = {k: tuple(v) for k, v in indexed.items()}
+
     def snapshot(self) -> dict[str, int]:
         return {k: v for k, v in self._counts.items() if v}
 
@@ -85,7 +122,9 @@ class LoadTracker:
             else None
         if booked is not None:
             self._show_prefill(endpoint_id)
-        self._counts[endpoint_id] += 1
+        count = self._counts[endpoint_id] = self._counts[endpoint_id] + 1
+        for index in self._indexed.get(endpoint_id, ()):
+            index.moved(endpoint_id, count)
         gauge = self._children.get(endpoint_id)
         if gauge is None:  # labels() costs microseconds: resolve each endpoint's child once
             gauge = self._children[endpoint_id] = self._gauge.labels(endpoint_id)
@@ -101,6 +140,8 @@ class LoadTracker:
                 self.prefill.end(booked)
                 self._show_prefill(endpoint_id)
             left = self._counts[endpoint_id] = self._counts[endpoint_id] - 1
+            for index in self._indexed.get(endpoint_id, ()):
+                index.moved(endpoint_id, left)
             gauge.dec()
             if cost > 0.0:
                 self._add_cost(endpoint_id, -cost, idle=left == 0)

@@ -133,7 +133,8 @@ class RouterMetrics:
             "fleetroute_policy_events",
             "Noteworthy policy decisions: hash_key_missing (consistent-hash fell back to least-connections), "
             "telemetry_unknown (adaptive picked an endpoint without fresh telemetry), load_bound_overflow "
-            "(a key walked the ring past an endpoint at its load bound), prefix_hit / prefix_miss / prefix_short "
+            "(a key walked the ring past an endpoint at its load bound), load_bound_walk_capped (that walk met "
+            "32 endpoints at the bound and took the least-loaded one), prefix_hit / prefix_miss / prefix_short "
             "(prefix-aware found / found no endpoint holding the prompt's leading blocks / found one holding less "
             "than minMatchShare of them), prefix_outweighed (least-prefill sent a request away from its prefix's "
             "holder, whose queued prefill or speed made its first token later), load_guard_in_flight / "
@@ -349,7 +350,15 @@ class RouterMetrics:
         self._policy_info: set[tuple[str, str, str]] = set()
         self.rebuilds = Counter(
             "fleetroute_snapshot_rebuilds",
-            "Routing snapshots (and pickers) rebuilt after endpoint, state or telemetry changes.",
+            "Routing snapshots (and pickers) rebuilt after endpoint, state or health changes (and telemetry rounds "
+            "that changed GPU health); telemetry rounds that changed only telemetry values count in "
+            "fleetroute_snapshot_refreshes_total instead.",
+            registry=r,
+        )
+        self.refreshes = Counter(
+            "fleetroute_snapshot_refreshes",
+            "Telemetry rounds applied without a full rebuild: new telemetry in the snapshot, pickers rebuilt only "
+            "for policies that read telemetry, over the pools the last rebuild admitted.",
             registry=r,
         )
         # Admission control (router/admission.py): only policies with admission.maxConcurrentPerEndpoint.

@@ -12,7 +12,8 @@ Two stores with one interface (`read(ids) -> {id: hash fields}`), both holding `
 
 `TelemetryFeed.refresh` joins records to known endpoints by id, admits each through `admit_record` (the
 trust boundary: sizes, schema, ranges, timestamps; router/redis_input.py), converts the reporter's
-wall-clock time to the router's monotonic clock, and rebuilds the pickers once. A refused record is counted
+wall-clock time to the router's monotonic clock, and has the balancer apply the round once
+(`refresh_telemetry`: a full rebuild only when GPU health may have changed). A refused record is counted
 by reason and logged (a schema version once per endpoint, the rest at most once a minute per reason) and
 leaves the endpoint as if it had not reported; a missing or stale record leaves the endpoint "unknown"
 (neutral score). If Redis is unreachable, routing goes on with the last records until they go stale (then
@@ -230,7 +231,7 @@ class TelemetryFeed:
                 log.warning("telemetry store unreachable; routing on the last known telemetry until it goes stale",
                             extra={"error": f"{type(exc).__name__}: {exc}"})
             self._store_down = True
-            self._balancer.rebuild()  # ages out what has gone stale
+            self._balancer.refresh_telemetry()  # ages out what has gone stale
             return
         if self._store_down:
             log.info("telemetry store reachable again")
@@ -253,7 +254,7 @@ class TelemetryFeed:
                               extra={"endpoint": endpoint_id, "error": exc.detail})
                 continue
             self._balancer.report_telemetry(endpoint_id, to_telemetry(record, wall_now=wall, mono_now=mono))
-        self._balancer.rebuild()
+        self._balancer.refresh_telemetry()
 
 
 class EmbeddedCollection:

@@ -135,6 +135,7 @@ class _Capturing:
         self._policy = policy
         self.name = policy.name
         self.config_key = policy.config_key
+        self.reads_telemetry = getattr(policy, "reads_telemetry", True)  # a telemetry round keeps its pickers
         self.last: Picker | None = None
 
     def parse(self, params: Mapping[str, Any]) -> Any:

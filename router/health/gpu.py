@@ -28,6 +28,7 @@ class GpuHealth:
         self.stale_after = stale_after
         self._seen: dict[str, _Seen] = {}
         self._current: dict[str, tuple[str, float]] = {}  # endpoint -> (fault, time of the report)
+        self._hold_until = 0.0  # the latest end of an XID/ECC hold (never lowered: it only costs rebuilds)
 
     def observe(self, endpoint_id: str, t: Telemetry, now: float) -> None:
         seen = self._seen.setdefault(endpoint_id, _Seen())
@@ -35,6 +36,7 @@ class GpuHealth:
             previous = getattr(seen, name)
             if value is not None and previous is not None and value > previous:
                 seen.fault_until, seen.fault = now + self.hold, f"{name}_errors"
+                self._hold_until = max(self._hold_until, seen.fault_until)
             if value is not None:
                 setattr(seen, name, value)
         if t.gpu_lost:
@@ -52,6 +54,11 @@ class GpuHealth:
         if seen is not None and seen.fault_until > now:
             return seen.fault
         return None
+
+    def any_fault(self, now: float) -> bool:
+        """Is any endpoint's GPU faulty now? Costs the number of faults reported, not of endpoints. (A fault ends
+        with time, so the balancer rebuilds fully while one lasts and once after.)"""
+        return self._hold_until > now or any(now - at <= self.stale_after for _fault, at in self._current.values())
 
     def forget(self, endpoint_id: str) -> None:
         self._seen.pop(endpoint_id, None)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from router.model import EndpointView, RequestInfo
+from router.policies.load_index import LoadIndex
 
 
 class PolicyConfigError(ValueError):
@@ -112,6 +113,9 @@ class Policy(Protocol):
     def parse(self, params: Mapping[str, Any]) -> Any:
         """Validate raw parameters; raise PolicyConfigError naming the field. Returns a frozen config."""
         ...
+
+    # Optional: `reads_telemetry = False` on a policy whose build and picks never read `EndpointView.telemetry`:
+    # a telemetry round then keeps its pickers as they are (balancer.py `refresh_telemetry`). Absent: True.
 
     def new_state(self) -> Any:
         """Per-pool state carried across rebuilds (or None). A state that keeps anything per endpoint has a
@@ -223,12 +227,23 @@ def least_loaded(
     `scale` = the slow-start weight x the endpoint's configured weight (both 1 usually, and then it is the
     plain count); ties broken at random, never by list order.
 
-    Shared by least-connections and by the fallbacks of the other strategies.
+    Shared by least-connections and by the fallbacks of the other strategies. When `loads` keeps an index of
+    exactly this pool (router/policies/load_index.py) the pick reads it instead of scanning: same choice rule,
+    cost independent of the pool's size.
     """
+    index = pool_index(loads, views)
+    if index is not None and trace is None:  # an explained pick scans, below, to list what it compared
+        return index.least(exclude, rng)[0]
     choice, best = _least(views, exclude, rng, lambda v: scaled_load(v, loads.in_flight(v.id)))
     if trace is not None and choice is not None:
         _explain_least(trace, views, exclude, best, "requests", lambda v: (loads.in_flight(v.id), 1.0))
     return choice
+
+
+def pool_index(loads: LoadView, views: tuple[EndpointView, ...]) -> LoadIndex | None:
+    """The load index `loads` keeps for exactly this pool, if any (a test's plain LoadView keeps none)."""
+    find: Callable[[tuple[EndpointView, ...]], LoadIndex | None] | None = getattr(loads, "load_index", None)
+    return find(views) if find is not None else None
 
 
 def _least(views: tuple[EndpointView, ...], exclude: frozenset[str], rng: random.Random,

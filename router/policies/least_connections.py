@@ -65,6 +65,8 @@ class LeastConnectionsPicker:
 class LeastConnectionsPolicy:
     name = "least-connections"
     config_key = "leastConnections"
+    # Neither its build nor its picks read telemetry: a telemetry round keeps its picker (balancer.py).
+    reads_telemetry = False
 
     def parse(self, params: Mapping[str, Any]) -> LeastConnectionsConfig:
         reject_unknown(params, {"loadUnit"})

@@ -3,9 +3,10 @@
 Intent: even distribution of *requests*, blind to their cost and to endpoint load. Good for homogeneous
 fleets with uniform requests; poor when GPUs or requests differ (capacity ~ n * slowest replica).
 
-The cursor lives in the pool state so it survives picker rebuilds (telemetry refreshes rebuild pickers
-often; restarting the rotation each time would favour the first endpoints). Each pool starts at a random
-offset so that many router replicas do not march in lock-step over the same endpoints.
+The cursor lives in the pool state so it survives picker rebuilds (health changes and housekeeping ticks
+rebuild pickers often; restarting the rotation each time would favour the first endpoints). A telemetry
+round does not rebuild this picker at all: it reads no telemetry (`reads_telemetry = False`). Each pool
+starts at a random offset so that many router replicas do not march in lock-step over the same endpoints.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class RoundRobinPicker:
 class RoundRobinPolicy:
     name = "round-robin"
     config_key = "roundRobin"
+    # Neither its build nor its picks read telemetry: a telemetry round keeps its picker (balancer.py).
+    reads_telemetry = False
 
     def parse(self, params: Mapping[str, Any]) -> RoundRobinConfig:
         reject_unknown(params, set())
