@@ -217,6 +217,7 @@ class Settings:
     control: ControlSettings | None = None  # router.control: RoutingPolicy resources; None: file policies only
     explain: ExplainSettings | None = None  # router.explain: sampling and recent decisions; None: the defaults
     tenancy: TenancySettings | None = None  # router.tenants: tenants, fair sharing, budgets; None: no tenants
+    kv_events: Any = None  # router.kv_events.KVEventsSettings: engines' KV-cache events; None: not subscribed
     # Wedged engines (router/health/stall.py, router/rescue.py): for the router, not per policy, because an
     # engine stalls whichever policy sent it the request.
     stall: StallSettings = StallSettings()
@@ -882,6 +883,11 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
 
     explain = parse_explain(top.sub("explain")) if top.get("explain") is not None else None
     stall = _stall(top.sub("stallDetection"))
+    kv_events = None
+    if top.get("kvEvents") is not None:
+        from router.kv_events import parse_kv_events  # here, not on top: router.kv_events builds on this module
+
+        kv_events = parse_kv_events(top.sub("kvEvents"))
     top.done()
     return Settings(
         listen=listen,
@@ -904,6 +910,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         explain=explain,
         tenancy=tenancy,
         stall=stall,
+        kv_events=kv_events,
     )
 
 
