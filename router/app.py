@@ -288,7 +288,7 @@ async def _kv_events(app: web.Application) -> AsyncIterator[None]:
     from router.policies.kv_block_index import KVBlockIndex
 
     index = KVBlockIndex(max_blocks=settings.max_blocks, tokenize=load_tokenizer(settings.tokenizer))
-    events = ctx.kv_events = KVEvents(settings, index, ctx.metrics)
+    events = ctx.kv_events = KVEvents(settings, index, ctx.metrics, clock=ctx.clock)
     task = asyncio.create_task(run_kv_events(events, ctx.balancer, ctx.metrics), name="fleetroute-kv-events")
     try:
         yield

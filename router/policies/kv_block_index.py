@@ -121,7 +121,7 @@ class KVBlockIndex:
 
     def is_precise(self, endpoint_id: str) -> bool:
         engine = self.engines.get(endpoint_id)
-        return engine is not None and engine.precise and engine.block_size is not None
+        return engine is not None and engine.precise
 
     def block_size(self, endpoint_id: str) -> int | None:
         engine = self.engines.get(endpoint_id)

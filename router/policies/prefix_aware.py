@@ -330,13 +330,15 @@ class Matcher:
         if engine is None:
             return self._index.matched(endpoint_id, self._hashes)
         tokens = self._tokens
-        size = engine.block_size(endpoint_id) if tokens else None
-        if tokens and size is not None and engine.is_precise(endpoint_id):
+        if tokens and engine.is_precise(endpoint_id):
+            self.sources[endpoint_id] = "events"
+            size = engine.block_size(endpoint_id)
+            if size is None:  # complete events, none stored yet: it holds nothing
+                return 0
             keys = self._keys.get(size)
             if keys is None:
                 keys = self._keys[size] = chain_keys(tokens, size, self.MAX_KEYS)
             share = engine.matched(endpoint_id, keys) * size / len(tokens)
-            self.sources[endpoint_id] = "events"
             return min(len(self._hashes), int(share * self._prompt_chars / self._block_chars))
         self.sources[endpoint_id] = "approximate"
         return self._index.matched(endpoint_id, self._hashes)
