@@ -204,9 +204,10 @@ def _event(raw: Any) -> Stored | Removed | Cleared | None:
         raise Rejected("block_size must be a positive int")
     lora = fields.get("lora_name") or fields.get("lora_id")
     extra_keys = fields.get("extra_keys")
+    per_block = extra_keys if isinstance(extra_keys, list) else []
     extras = None
-    if lora is not None or extra_keys:
-        per_block = extra_keys if isinstance(extra_keys, list) else []
+    # vLLM sends extra_keys as one entry per block, None for a plain block: only real extras change the key.
+    if lora is not None or any(k is not None for k in per_block):
         extras = [repr((lora, per_block[i] if i < len(per_block) else None)).encode() for i in range(len(hashes))]
     return Stored(hashes, parent, tokens, size, extras)
 
@@ -394,7 +395,12 @@ class KVEvents:
                 if await sock.poll(poll_ms):
                     frames = await sock.recv_multipart()
                     await self._frames(source, stream, frames)
+                    continue
+                was = self.index.is_precise(source.endpoint_id)
                 stream.tick(self.clock(), self.settings.silent_after)
+                if self.index.is_precise(source.endpoint_id) != was:
+                    async with self.applied:
+                        self.applied.notify_all()
         finally:
             sock.close(linger=0)
 

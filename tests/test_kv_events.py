@@ -41,6 +41,9 @@ def test_a_vllm_batch_decodes_into_stored_removed_and_cleared_in_order() -> None
     payload = vllm_payload([
         {"type": "BlockStored", "block_hashes": [b"\x01" * 32, b"\x02" * 32], "parent_block_hash": None,
          "token_ids": list(range(2 * BS)), "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None},
+        {"type": "BlockStored", "block_hashes": [3], "parent_block_hash": None, "token_ids": list(range(BS)),
+         "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None,
+         "extra_keys": [None]},  # vLLM 0.32 sends one None per plain block: a plain block still
         {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"},
         {"type": "BlockStored", "block_hashes": [9], "parent_block_hash": None, "token_ids": list(range(BS)),
          "block_size": BS, "lora_id": None, "medium": "CPU", "lora_name": None},  # offloaded: not a GPU hit
@@ -48,10 +51,11 @@ def test_a_vllm_batch_decodes_into_stored_removed_and_cleared_in_order() -> None
         {"type": "AllBlocksCleared"},
     ])
     events = decode_batch(payload)
-    assert [type(e) for e in events] == [Stored, Removed, Cleared]
-    stored = events[0]
-    assert isinstance(stored, Stored) and stored.block_hashes == [b"\x01" * 32, b"\x02" * 32]
-    assert stored.extras is None
+    assert [type(e) for e in events] == [Stored, Stored, Removed, Cleared]
+    first, plain = events[0], events[1]
+    assert isinstance(first, Stored) and first.block_hashes == [b"\x01" * 32, b"\x02" * 32]
+    assert first.extras is None
+    assert isinstance(plain, Stored) and plain.extras is None
 
 
 def test_older_array_like_events_decode_too() -> None:
