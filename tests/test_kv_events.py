@@ -350,3 +350,17 @@ async def test_a_sequence_gap_is_filled_from_the_engines_replay_socket(fleet: Fl
         assert fleet.index.is_precise("b")
         assert fleet.index.matched("b", chain_keys(lost, BS, 64)) == len(lost) // BS
         assert fleet.sample("fleetroute_kv_event_resyncs_total", {"endpoint": "b", "reason": "gap"}) == 0
+
+
+def test_the_simulator_reads_vllms_kv_events_config() -> None:
+    import argparse
+
+    from worker.sim.cli import _kv_events, apply_vllm_args
+
+    args = argparse.Namespace(no_prefix_caching=False)
+    apply_vllm_args(args, ["m", "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq", '
+                                                      '"endpoint": "ipc:///tmp/x.kv", "topic": "kv"}'])
+    assert _kv_events(args) == KVEventsConfig(endpoint="ipc:///tmp/x.kv", topic="kv", replay_endpoint=None)
+    off = argparse.Namespace(no_prefix_caching=False)
+    apply_vllm_args(off, ["m", "--kv-events-config", '{"enable_kv_cache_events": false}'])
+    assert _kv_events(off) is None
