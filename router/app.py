@@ -282,7 +282,8 @@ async def _prefix_upkeep(app: web.Application) -> AsyncIterator[None]:
         router_id = ctx.shared_loads.replica if ctx.shared_loads is not None else replica_id()
         sharing = PrefixSharing(redis=client, router_id=router_id, metrics=ctx.metrics, clock=ctx.clock)
     upkeep = ctx.prefix_upkeep = PrefixUpkeep(balancer=ctx.balancer, metrics=ctx.metrics, sharing=sharing,
-                                              clock=ctx.clock)
+                                              clock=ctx.clock,
+                                              kv_index=ctx.kv_events.index if ctx.kv_events is not None else None)
     task = asyncio.create_task(run_upkeep(upkeep, ctx.metrics), name="fleetroute-prefix-upkeep")
     try:
         yield
@@ -293,6 +294,30 @@ async def _prefix_upkeep(app: web.Application) -> AsyncIterator[None]:
         ctx.prefix_upkeep = None
         if client is not None:
             await client.aclose()
+
+
+async def _kv_events(app: web.Application) -> AsyncIterator[None]:
+    """The engines' KV-cache events (router/kv_events.py): one subscription per endpoint that has a source,
+    following membership, feeding the precise prefix index."""
+    ctx = app[CONTEXT]
+    settings = ctx.settings.kv_events
+    if settings is None:
+        yield
+        return
+    from router.kv_events import KVEvents, load_tokenizer, run_kv_events
+    from router.policies.kv_block_index import KVBlockIndex
+
+    index = KVBlockIndex(max_blocks=settings.max_blocks, tokenize=load_tokenizer(settings.tokenizer))
+    events = ctx.kv_events = KVEvents(settings, index, ctx.metrics, clock=ctx.clock)
+    task = asyncio.create_task(run_kv_events(events, ctx.balancer, ctx.metrics), name="fleetroute-kv-events")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await events.close()
+        ctx.kv_events = None
 
 
 def sync_sticky_tables(ctx: RouterContext) -> None:
@@ -417,7 +442,8 @@ def build_apps(ctx: RouterContext) -> tuple[web.Application, web.Application]:
     ingress.cleanup_ctx.append(_upstream)
     ingress.cleanup_ctx.append(_shared_state)
     ingress.cleanup_ctx.append(_budgets)
-    ingress.cleanup_ctx.append(_prefix_upkeep)  # after _shared_state: it names this replica
+    ingress.cleanup_ctx.append(_kv_events)
+    ingress.cleanup_ctx.append(_prefix_upkeep)  # after _shared_state: it names this replica; after _kv_events
     ingress.cleanup_ctx.append(_control)  # last: its policies get the session tables and health checks above
     add_ingress_routes(ingress)
     sessions = BrowserSessions(ctx.settings.auth)  # the status page's login, accepted on its own routes

@@ -65,6 +65,7 @@ class RouterContext:
     budgets: Budgets | None = None  # tenants' budgets through Redis (app start-up to shutdown; router.budgets)
     budget_clock: Callable[[], float] | None = None  # budgets' wall clock (tests); None: the Redis server's
     sticky_redis: Any = None  # the Redis client session pins use (None without Redis)
+    kv_events: Any = None  # router.kv_events.KVEvents while KV events are configured (app start-up to shutdown)
     prefix_upkeep: PrefixUpkeep | None = None  # prefix-aware tuning and sharing (app start-up to shutdown)
     telemetry_feed: TelemetryFeed | None = None  # while telemetry is read (app start-up to shutdown)
     telemetry_collection: EmbeddedCollection | None = None  # the router's own scrapes, without Redis

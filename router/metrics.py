@@ -139,7 +139,9 @@ class RouterMetrics:
             "than minMatchShare of them), prefix_outweighed (least-prefill sent a request away from its prefix's "
             "holder, whose queued prefill or speed made its first token later), load_guard_in_flight / "
             "load_guard_imbalance / load_guard_load_factor / load_guard_sigma (prefix-aware left the best prefix "
-            "match because it tripped that load guard: maxInFlight, maxImbalance, maxLoadFactor, sigmaK).",
+            "match because it tripped that load guard: maxInFlight, maxImbalance, maxLoadFactor, sigmaK), "
+            "index_precise / index_approximate (with prefixAware.index precise: the pick matched every candidate "
+            "on the KV-event index / fell back to the approximate one for some or all).",
             ["policy", "event"],
             registry=r,
         )
@@ -546,6 +548,45 @@ class RouterMetrics:
             "Endpoints that left the endpoint set while this router still had requests in flight there: their "
             "in-flight counts and series are kept until the last of those requests ends.",
             multiprocess_mode="livesum",
+            registry=r,
+        )
+
+        # KV-cache events from the engines (router/kv_events.py) and the precise prefix index they feed.
+        self.kv_events = Counter(
+            "fleetroute_kv_events",
+            "KV-cache events applied per endpoint, by type: stored / removed (blocks), cleared (AllBlocksCleared), "
+            "orphan (a stored block whose parent the index never saw: not indexed), evicted (dropped at the "
+            "kvEvents.maxBlocksPerEndpoint cap).",
+            ["endpoint", "type"],
+            registry=r,
+        )
+        self.kv_events_rejected = Counter(
+            "fleetroute_kv_events_rejected",
+            "KV event messages that were not (topic, 8-byte sequence, EventBatch): skipped, and a resync follows.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_event_resyncs = Counter(
+            "fleetroute_kv_event_resyncs",
+            "Times an endpoint's precise index was reset or set aside, by reason: gap (sequence numbers lost and "
+            "not replayed), replayed (a gap filled from the engine's replay socket), restart (the sequence went "
+            "back: the engine restarted), joined_mid_stream, rejected, silent (no event for silentAfter).",
+            ["endpoint", "reason"],
+            registry=r,
+        )
+        self.kv_index_blocks = Gauge(
+            "fleetroute_kv_index_blocks",
+            "KV blocks the precise prefix index holds per endpoint, as its KV events reported them.",
+            ["endpoint"],
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.kv_index_precise = Gauge(
+            "fleetroute_kv_index_precise",
+            "1 while an endpoint's KV events are complete (picks use the precise index for it), 0 while it warms "
+            "up after a gap or is silent (the approximate index answers for it).",
+            ["endpoint"],
+            multiprocess_mode="max",
             registry=r,
         )
 

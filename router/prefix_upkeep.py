@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from router.background import contained
 from router.balancer import Balancer
 from router.metrics import RouterMetrics
+from router.policies.kv_block_index import KVBlockIndex
 from router.policies.prefix_aware import PrefixAwareConfig
 from router.policies.prefix_index import PrefixIndex
 from router.policies.prefix_tuning import WindowResult, tune
@@ -69,8 +70,10 @@ class PrefixUpkeep:
         metrics: RouterMetrics,
         sharing: PrefixSharing | None = None,
         clock: Callable[[], float] = time.monotonic,
+        kv_index: KVBlockIndex | None = None,
     ) -> None:
         self._balancer = balancer
+        self._kv_index = kv_index
         self._metrics = metrics
         self.sharing = sharing
         self._clock = clock
@@ -90,6 +93,7 @@ class PrefixUpkeep:
             shared: list[SharedPool] = []
             for spec, model, index, config in pools:
                 index.now = now
+                index.engine_blocks = self._kv_index
                 views = self._balancer.candidates(model)
                 results = tune(index, {v.id: v.telemetry for v in views}, now, config.tuning)
                 self._report(spec.name, model, index, results)

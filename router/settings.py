@@ -224,6 +224,7 @@ class Settings:
     control: ControlSettings | None = None  # router.control: RoutingPolicy resources; None: file policies only
     explain: ExplainSettings | None = None  # router.explain: sampling and recent decisions; None: the defaults
     tenancy: TenancySettings | None = None  # router.tenants: tenants, fair sharing, budgets; None: no tenants
+    kv_events: Any = None  # router.kv_events.KVEventsSettings: engines' KV-cache events; None: not subscribed
     # Wedged engines (router/health/stall.py, router/rescue.py): for the router, not per policy, because an
     # engine stalls whichever policy sent it the request.
     stall: StallSettings = StallSettings()
@@ -959,6 +960,11 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     from router.tracing import parse_tracing  # here, not on top: router.tracing builds on this module
 
     tracing = parse_tracing(top.sub("tracing")) if top.get("tracing") is not None else None
+    kv_events = None
+    if top.get("kvEvents") is not None:
+        from router.kv_events import parse_kv_events  # here, not on top: router.kv_events builds on this module
+
+        kv_events = parse_kv_events(top.sub("kvEvents"))
     top.done()
     return Settings(
         listen=listen,
@@ -982,6 +988,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         tenancy=tenancy,
         stall=stall,
         tracing=tracing,
+        kv_events=kv_events,
     )
 
 

@@ -144,6 +144,13 @@ class VllmServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def kv_events_address(self) -> str:
+        """Where the server publishes KV-cache events (a test's router connects; with none, they are dropped).
+        An ipc socket, which vLLM binds: reachable only on this machine. (vLLM binds tcp only for a wildcard,
+        every interface; for tcp://127.0.0.1:PORT it connects, and no event reached a subscriber bound there.)"""
+        return f"ipc://{self.log_path.with_suffix('.kv')}"
+
     def start(self) -> None:
         env = {
             **os.environ,
@@ -167,6 +174,9 @@ class VllmServer:
             "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager",
             "--max-num-seqs", str(MAX_NUM_SEQS),
             "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args,
+            "--enable-prefix-caching", "--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+                "endpoint": self.kv_events_address}),
         ]
         self._started_at = time.monotonic()
         with open(self.log_path, "wb") as log:

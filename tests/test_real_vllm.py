@@ -10,6 +10,7 @@ See docs/real-vllm.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import random
@@ -26,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.access_log import AccessLog
 from router.app import RunningRouter, build_context, start_router
+from router.policies.kv_block_index import chain_keys
 from router.settings import parse_settings
 from tests.real_vllm import (
     MAX_NUM_SEQS,
@@ -149,7 +151,7 @@ def test_parser_sees_a_real_queue(vllm: list[VllmServer]) -> None:
 # --- (b) the router in front of both, with real telemetry ----------------------------------------------------
 
 
-async def start(vllm: list[VllmServer], policy: dict) -> RunningRouter:
+async def start(vllm: list[VllmServer], policy: dict, **extra: object) -> RunningRouter:
     settings = parse_settings({
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"host": "127.0.0.1", "port": 0},
@@ -160,6 +162,7 @@ async def start(vllm: list[VllmServer], policy: dict) -> RunningRouter:
         "redis": {"url": None},
         "logging": {"accessLog": False},
         "shutdownGrace": 1,
+        **extra,
     })
     return await start_router(build_context(settings, rng=random.Random(7)))
 
@@ -426,3 +429,77 @@ async def test_real_vllm_puts_its_span_under_the_routers_attempt_span(tmp_path: 
             await asyncio.to_thread(servers.__exit__, None, None, None)
     assert attempt.trace_id.hex() == client_trace
     assert llm.parent_span_id == attempt.span_id  # vLLM's span sits under the router's attempt
+
+
+# --- (d) KV-cache events from real vLLM: the precise prefix index --------------------------------------------
+
+
+def token_prompt(seed: int, n: int) -> list[int]:
+    """Token ids of the tiny model's vocabulary (512), random per seed: no other test's prompt shares them."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+async def test_the_precise_index_learns_real_vllm_blocks_routes_on_them_and_forgets_a_restarted_engine(
+        vllm: list[VllmServer]) -> None:
+    block = 128  # vLLM's CPU block size: a prompt needs 128 tokens for one BlockStored
+    router = await start(vllm, {"strategy": "prefix-aware", "prefixAware": {"index": "precise"}}, kvEvents={
+        "topic": "kv", "warmup": "1s",
+        "endpoints": [{"endpoint": f"vllm-{i}", "address": s.kv_events_address} for i, s in enumerate(vllm)]})
+    try:
+        await router.ctx.prefix_upkeep.round()  # type: ignore[union-attr]  # the pool sees the index
+        events = router.ctx.kv_events
+        index = events.index
+
+        async def until(condition, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+            async with asyncio.timeout(timeout):
+                async with events.applied:
+                    await events.applied.wait_for(condition)
+
+        async def complete_on(server: VllmServer, prompt: list[int]) -> None:
+            body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1}
+            await asyncio.to_thread(post_json, server.url + "/v1/completions", body)
+
+        # Earlier tests' events went unheard, so each engine is first heard mid-stream and warms up (1 s here).
+        for i, server in enumerate(vllm):
+            for attempt in range(20):  # until the subscription is up (ZMQ drops what a PUB sends before)
+                await complete_on(server, token_prompt(1000 + 10 * i + attempt, block + 8))
+                with contextlib.suppress(TimeoutError):
+                    await until(lambda i=i: index.engine(f"vllm-{i}").last_seq is not None, timeout=2.0)
+                    break
+            await until(lambda i=i: index.is_precise(f"vllm-{i}"), timeout=10.0)
+            assert index.block_size(f"vllm-{i}") == block
+
+        # A prompt of 2 full blocks served by vllm-1 directly: its BlockStored events reach the index.
+        shared = token_prompt(7, 2 * block + 40)
+        await complete_on(vllm[1], shared)
+        keys = chain_keys(shared, block, 64)
+        await until(lambda: index.matched("vllm-1", keys) == 2)
+        assert index.matched("vllm-0", keys) == 0
+
+        # Requests sharing that prefix go to vllm-1 by the precise index (the router sent it nothing before).
+        for n in range(4):
+            follow_up = shared[:2 * block] + token_prompt(100 + n, 40)
+            body = {"model": SERVED_MODEL, "prompt": follow_up, "max_tokens": 1}
+            async with aiohttp.ClientSession() as http:
+                async with http.post(router.ingress_url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["x-fleetroute-endpoint"] == "vllm-1"
+        registry = router.ctx.metrics.registry
+        assert registry.get_sample_value("fleetroute_policy_events_total",
+                                         {"policy": "default", "event": "index_precise"}) == 4
+
+        # vllm-1 restarts: its sequence numbers start again at 0 and its blocks are forgotten.
+        restarts = {"endpoint": "vllm-1", "reason": "restart"}
+        await asyncio.to_thread(vllm[1].stop)
+        await asyncio.to_thread(vllm[1].start)
+        await asyncio.to_thread(vllm[1].wait_ready)
+        for attempt in range(20):
+            await complete_on(vllm[1], token_prompt(2000 + attempt, block + 8))
+            with contextlib.suppress(TimeoutError):
+                await until(lambda: (registry.get_sample_value("fleetroute_kv_event_resyncs_total", restarts)
+                                     or 0) >= 1, timeout=2.0)
+                break
+        assert index.matched("vllm-1", keys) == 0
+    finally:
+        await router.close()

@@ -305,7 +305,8 @@ def test_an_unknown_top_level_field_error_lists_every_top_level_field() -> None:
         parse_settings({"drainConection": "1s"})
     assert str(info.value) == (
         "drainConection: unknown field (expected one of: admin, auth, control, discovery, drainConnections, endpoints, "
-        "explain, limits, listen, logging, policies, redis, shutdownGrace, stallDetection, telemetry, tenancy, tracing, "
+        "explain, kvEvents, limits, listen, logging, policies, redis, shutdownGrace, stallDetection, telemetry, tenancy, "
+        "tracing, "
         "workers)")
 
 

@@ -60,6 +60,7 @@ from router.policies.base import (
 )
 from router.policies.prefix_aware import (
     GuardLimits,
+    Matcher,
     PrefixAwareConfig,
     PrefixAwarePolicy,
     prompt_blocks,
@@ -194,8 +195,10 @@ class CompositePicker:
         hashes: list[int] = []
         prompt_chars = 0
         index = self._index
+        match: Matcher | None = None
         if index is not None and c.prefix is not None:
             hashes, prompt_chars = prompt_blocks(req.body, c.prefix.block_chars, c.prefix.max_blocks)
+            match = Matcher(index, hashes, prompt_chars, req.body, c.prefix)
         # A random draw (a shuffle when `choices` covers the pool), so exact ties never go by list order.
         sample = self._rng.sample(candidates, len(candidates) if c.choices is None else min(c.choices, len(candidates)))
         most = max(load[v.id] for v in candidates) if self._load_w else 0.0
@@ -204,7 +207,7 @@ class CompositePicker:
         best_match = 0
         for view in sample:
             lv = load[view.id] if self._all_loads else self._load(view, loads, unit)
-            matched = index.matched(view.id, hashes) if hashes and index is not None else 0
+            matched = match(view.id) if match is not None else 0
             least_load = c.pick == "least-load"
             s = self.score(view, 0.0 if least_load else lv, load_score=1.0 - lv / most if most > 0 else 1.0,
                            prefix_score=matched / len(hashes) if hashes else 0.0)
@@ -224,6 +227,12 @@ class CompositePicker:
             if hashes:
                 trace.detail["prompt_blocks"] = len(hashes)
         if index is not None and c.prefix is not None:
+            if match is not None:
+                event = match.event()
+                if event is not None:
+                    self._events(event)
+                if trace is not None:
+                    match.explain(trace)
             remember(index, best.id, hashes, prompt_chars, best_match, c.prefix.block_chars)
         return best
 
@@ -233,7 +242,7 @@ class CompositePicker:
         if index is None or c.prefix is None:
             return
         hashes, prompt_chars = prompt_blocks(req.body, c.prefix.block_chars, c.prefix.max_blocks)
-        matched = index.matched(view.id, hashes) if hashes else 0
+        matched = Matcher(index, hashes, prompt_chars, req.body, c.prefix)(view.id)
         remember(index, view.id, hashes, prompt_chars, matched, c.prefix.block_chars)
 
 
@@ -297,7 +306,7 @@ def parse_guard(raw: Any) -> LoadGuard:
         raise PolicyConfigError(f"loadGuard.{exc.field}", exc.message) from None
 
 
-PREFIX_FIELDS = {"blockChars", "maxBlocks", "maxBlocksPerEndpoint", "sharing", "tuning"}
+PREFIX_FIELDS = {"blockChars", "maxBlocks", "maxBlocksPerEndpoint", "index", "sharing", "tuning"}
 
 
 def parse_prefix(raw: Any) -> PrefixAwareConfig:

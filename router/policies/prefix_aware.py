@@ -93,12 +93,14 @@ from router.policies.base import (
     reject_unknown,
     scaled_load,
 )
+from router.policies.kv_block_index import KVBlockIndex, chain_keys, request_token_ids
 from router.policies.prefix_index import FALLBACK_BLOCKS, MIN_BLOCKS, PrefixIndex
 from router.policies.prefix_tuning import TuningConfig
 from router.prompt import prompt_length, prompt_pieces
 
 CHARS_PER_TOKEN = 4  # English text in Llama-3-class BPE vocabularies; sizing only, so a rough figure
 SELECTIONS = ("longest-match", "least-prefill")
+INDEXES = ("approximate", "precise")
 MAX_AUTO_BLOCKS = 1 << 20  # ~150 MB per endpoint: the most `auto` sizes an index to, whatever the engine says
 
 
@@ -133,6 +135,9 @@ class PrefixAwareConfig:
     # longest-match: the longest cached prefix unless a guard trips; least-prefill: the soonest expected first
     # token (queued and uncached prefill over measured speed).
     selection: str = "longest-match"
+    # approximate: where this router (and its peers) sent each prefix; precise: what each engine's KV events
+    # say it holds (router/kv_events.py), the approximate index answering for engines without events.
+    index: str = "approximate"
     sharing: SharingConfig = field(default_factory=SharingConfig)
     tuning: TuningConfig = field(default_factory=TuningConfig)
 
@@ -295,6 +300,64 @@ def remember(index: PrefixIndex, endpoint_id: str, hashes: list[int], prompt_cha
         index.record(endpoint_id, hashes)
 
 
+class Matcher:
+    """One pick's match counts, in the approximate index's blocks (`prompt_blocks`), so every selection rule and
+    guard reads them alike. With `index: precise`, an engine whose KV events are complete answers from the
+    KV-event index on the request's token ids (when the router knows them: router/policies/kv_block_index.py);
+    its matched tokens become the same share of the prompt in router blocks. Every other engine, and every
+    request whose token ids are unknown, answers from the approximate index."""
+
+    __slots__ = ("_index", "_hashes", "_prompt_chars", "_block_chars", "_engine", "_tokens", "_keys", "sources")
+
+    MAX_KEYS = 4096  # engine blocks keyed per pick: 64k tokens at vLLM's GPU block size of 16
+
+    def __init__(self, index: PrefixIndex, hashes: list[int], prompt_chars: int, body: Mapping[str, Any],
+                 config: PrefixAwareConfig) -> None:
+        self._index = index
+        self._hashes = hashes
+        self._prompt_chars = prompt_chars
+        self._block_chars = config.block_chars
+        engine = index.engine_blocks if config.index == "precise" else None
+        self._engine: KVBlockIndex | None = engine
+        self._tokens = request_token_ids(body, engine.tokenize) if engine is not None and hashes else None
+        self._keys: dict[int, list[bytes]] = {}
+        self.sources: dict[str, str] = {}  # endpoint -> events | approximate (only with index: precise)
+
+    def __call__(self, endpoint_id: str) -> int:
+        if not self._hashes:
+            return 0
+        engine = self._engine
+        if engine is None:
+            return self._index.matched(endpoint_id, self._hashes)
+        tokens = self._tokens
+        if tokens and engine.is_precise(endpoint_id):
+            self.sources[endpoint_id] = "events"
+            size = engine.block_size(endpoint_id)
+            if size is None:  # complete events, none stored yet: it holds nothing
+                return 0
+            keys = self._keys.get(size)
+            if keys is None:
+                keys = self._keys[size] = chain_keys(tokens, size, self.MAX_KEYS)
+            share = engine.matched(endpoint_id, keys) * size / len(tokens)
+            return min(len(self._hashes), int(share * self._prompt_chars / self._block_chars))
+        self.sources[endpoint_id] = "approximate"
+        return self._index.matched(endpoint_id, self._hashes)
+
+    def event(self) -> str | None:
+        """index_precise when every candidate matched on events, index_approximate when any did not."""
+        if self._engine is None:
+            return None
+        return "index_precise" if self.sources and all(s == "events" for s in self.sources.values()) \
+            else "index_approximate"
+
+    def explain(self, trace: DecisionTrace) -> None:
+        for endpoint_id, source in self.sources.items():
+            trace.note(endpoint_id, index=source)
+        if self._engine is not None:
+            trace.detail["index"] = "precise"
+            trace.detail["token_ids_known"] = self._tokens is not None
+
+
 class PrefixAwarePicker:
     __slots__ = ("_views", "_index", "_config", "_rng", "_events")
 
@@ -322,13 +385,14 @@ class PrefixAwarePicker:
         index = self._index
         hashes, prompt_chars = prompt_blocks(req.body, c.block_chars, c.max_blocks)
         load = {v.id: _load(v, loads) for v in candidates}
+        match = Matcher(index, hashes, prompt_chars, req.body, c)
         if c.selection == "least-prefill":
-            return self._least_prefill(req, loads, candidates, hashes, prompt_chars, load, trace)
+            return self._least_prefill(req, loads, candidates, hashes, prompt_chars, load, trace, match)
         best: list[EndpointView] = []
         best_match, best_load = 0, 0.0
         if hashes:
             for view in candidates:
-                m = index.matched(view.id, hashes)
+                m = match(view.id)
                 if trace is not None:
                     trace.note(view.id, match_blocks=m)
                 if m == 0 or m < best_match:
@@ -346,7 +410,7 @@ class PrefixAwarePicker:
             reason = "prefix_short" if best else "prefix_miss"
             self._events(reason)
             choice = self._least_loaded(candidates, load, trace)
-            matched = index.matched(choice.id, hashes) if best else 0
+            matched = match(choice.id) if best else 0
             if trace is not None:
                 trace.reason = reason
                 trace.detail["min_match_share"] = c.min_match_share
@@ -355,7 +419,7 @@ class PrefixAwarePicker:
             if guard is not None:
                 self._events(guard)
                 choice = self._least_loaded(candidates, load, trace)
-                matched = best_match if choice in best else index.matched(choice.id, hashes)
+                matched = best_match if choice in best else match(choice.id)
                 if trace is not None:
                     trace.reason = guard
             else:
@@ -366,12 +430,20 @@ class PrefixAwarePicker:
                     trace.reason = "prefix_hit"
             if trace is not None:
                 trace.detail["guards"] = guard_report(best_load, load, c)
+        self._index_event(match, trace)
         remember(index, choice.id, hashes, prompt_chars, matched, c.block_chars)
         return choice
 
+    def _index_event(self, match: Matcher, trace: DecisionTrace | None) -> None:
+        event = match.event()
+        if event is not None:
+            self._events(event)
+        if trace is not None:
+            match.explain(trace)
+
     def _least_prefill(
         self, req: RequestInfo, loads: LoadView, candidates: list[EndpointView], hashes: list[int],
-        prompt_chars: int, load: dict[str, float], trace: DecisionTrace | None,
+        prompt_chars: int, load: dict[str, float], trace: DecisionTrace | None, match: Matcher,
     ) -> EndpointView:
         """`selection: least-prefill`: the candidate where the request's first token is expected soonest."""
         c = self._config
@@ -393,7 +465,7 @@ class PrefixAwarePicker:
         best: list[EndpointView] = []
         best_key = (math.inf, math.inf)
         for view in candidates:
-            m = raw[view.id] = index.matched(view.id, hashes) if hashes else 0
+            m = raw[view.id] = match(view.id)
             if trace is not None:
                 trace.note(view.id, match_blocks=m)
             if view.id not in allowed:
@@ -439,6 +511,7 @@ class PrefixAwarePicker:
             if len(best) > 1:
                 trace.detail["tied"] = len(best)
                 trace.detail["tied_with"] = listed(v.id for v in best)
+        self._index_event(match, trace)
         remember(index, choice.id, hashes, prompt_chars, raw[choice.id], c.block_chars)
         return choice
 
@@ -446,7 +519,7 @@ class PrefixAwarePicker:
         """A request went to `view` without a pick (a session's pinned endpoint): its blocks are there now."""
         c = self._config
         hashes, prompt_chars = prompt_blocks(req.body, c.block_chars, c.max_blocks)
-        matched = self._index.matched(view.id, hashes) if hashes else 0
+        matched = Matcher(self._index, hashes, prompt_chars, req.body, c)(view.id)
         if c.selection == "least-prefill":
             req.note.prefill_tokens = uncached_tokens(prompt_chars, matched, len(hashes), c)
         remember(self._index, view.id, hashes, prompt_chars, matched, c.block_chars)
@@ -539,11 +612,14 @@ class PrefixAwarePolicy:
 
     def parse(self, params: Mapping[str, Any]) -> PrefixAwareConfig:
         reject_unknown(params, {"blockChars", "maxBlocks", "maxBlocksPerEndpoint", "minMatchShare", "maxImbalance",
-                                "maxInFlight", "maxLoadFactor", "sigmaK", "selection", "sharing", "tuning"})
+                                "maxInFlight", "maxLoadFactor", "sigmaK", "selection", "index", "sharing", "tuning"})
         d = PrefixAwareConfig()
         selection = params.get("selection", d.selection)
         if selection not in SELECTIONS:
             raise PolicyConfigError("selection", f"must be one of {', '.join(SELECTIONS)}, got {selection!r}")
+        index = params.get("index", d.index)
+        if index not in INDEXES:
+            raise PolicyConfigError("index", f"must be one of {', '.join(INDEXES)}, got {index!r}")
         # least-prefill's wait already weighs the queue: no imbalance guard unless one is asked for
         imbalance_default = d.max_imbalance if selection == "longest-match" else None
         block_chars = integer_param(params, "blockChars", d.block_chars, minimum=16, maximum=65536)
@@ -560,6 +636,7 @@ class PrefixAwarePolicy:
             max_load_factor=number_param(params, "maxLoadFactor", d.max_load_factor, minimum=1.0, nullable=True),
             sigma_k=number_param(params, "sigmaK", d.sigma_k, minimum=0.0, exclusive=True, nullable=True),
             selection=selection,
+            index=index,
             sharing=_sharing(params),
             tuning=_tuning(params),
         )

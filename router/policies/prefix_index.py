@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Any
 
 FALLBACK_BLOCKS = 32768  # bound while an endpoint's KV capacity is unknown (see prefix_aware)
 MIN_BLOCKS = 64  # sizing and tuning never go below this (a bound set explicitly lower is kept)
@@ -49,11 +50,14 @@ class BoundChange:
 class PrefixIndex:
     """Per endpoint, an LRU set of block hashes routed there. Kept by the balancer across rebuilds."""
 
-    __slots__ = ("by_endpoint", "now", "refresh_after", "tuning", "changes", "_base", "_factor", "_bound",
-                 "_estimate", "_outbox", "_outbox_size", "_dropped")
+    __slots__ = ("by_endpoint", "engine_blocks", "now", "refresh_after", "tuning", "changes", "_base", "_factor",
+                 "_bound", "_estimate", "_outbox", "_outbox_size", "_dropped")
 
     def __init__(self) -> None:
         self.by_endpoint: dict[str, OrderedDict[int, float]] = {}
+        # The router's KV-event index (router/policies/kv_block_index.py), set by the upkeep task when KV events
+        # are configured: `index: precise` matches on it for the engines that publish.
+        self.engine_blocks: Any = None
         self.now = 0.0  # the upkeep clock; stamps compare against it
         self.refresh_after = 300.0
         self.tuning: dict[str, object] = {}  # per endpoint, owned by prefix_tuning

@@ -6,8 +6,9 @@ for the vLLM image wherever a vLLM command line is rendered (the Helm chart's wo
 cluster-in-a-box test runs them this way). What the simulator models is used: the model (positional or
 `--model`, shown as `root` in /v1/models), `--served-model-name` (one or more; answers carry the first, as
 vLLM's do), `--host`, `--port`, `--max-model-len` (vLLM's `8k`/`8K` forms too), `--max-num-seqs`,
-`--max-num-batched-tokens`, `--[no-]enable-prefix-caching`, `--seed` and `--kv-cache-dtype` (an FP8 cache
-holds twice the tokens of the profile's 16-bit one). `--tensor-parallel-size`, `--gpu-memory-utilization`,
+`--max-num-batched-tokens`, `--[no-]enable-prefix-caching`, `--seed`, `--kv-cache-dtype` (an FP8 cache
+holds twice the tokens of the profile's 16-bit one) and `--kv-events-config` (KV-cache events published as
+vLLM's, worker/sim/kv_events.py). `--tensor-parallel-size`, `--gpu-memory-utilization`,
 `--[no-]enable-chunked-prefill` and `--speculative-config` are validated as vLLM does but not modelled (the
 GPU profile fixes the step times and the KV pool), and one log line says so. Any other argument is ignored,
 with one log line naming them. The simulator's own options (`--gpu`, `--time-scale`, ...) go before
@@ -52,6 +53,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--batching", choices=BATCHING, default="continuous",
                    help="continuous (vLLM), or the older dynamic/static batching for comparison")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    p.add_argument("--kv-events-endpoint", metavar="ZMQ_ADDRESS",
+                   help="publish KV-cache events as vLLM does (its kv-events-config `endpoint`): tcp://*:PORT, ipc:// "
+                        "or inproc:// binds, any other address (tcp://127.0.0.1:PORT) connects to a subscriber "
+                        "that binds")
+    p.add_argument("--kv-events-topic", default="", help="topic frame of each KV event message (default empty)")
+    p.add_argument("--kv-events-replay-endpoint", metavar="ZMQ_ADDRESS",
+                   help="bind a replay (ROUTER) socket here, as vLLM's `replay_endpoint`")
     p.add_argument("--fault-injection", action="store_true",
                    help="enable POST/DELETE /sim/faults (slowdown, errors, hang, stalled streams, unhealthy)")
     p.add_argument("--vllm", nargs=argparse.REMAINDER, metavar="VLLM_ARG",
@@ -92,6 +100,16 @@ def _json_object(text: str) -> dict:  # type: ignore[type-arg]
     return value
 
 
+def _kv_events(args: argparse.Namespace) -> object:
+    """The KV event publisher's settings from --kv-events-* (or vLLM's --kv-events-config), or None."""
+    from worker.sim.kv_events import KVEventsConfig
+
+    endpoint = getattr(args, "kv_events_endpoint", None)
+    if endpoint is None:
+        return None
+    return KVEventsConfig(endpoint=endpoint, topic=args.kv_events_topic, replay_endpoint=args.kv_events_replay_endpoint)
+
+
 class _VllmArgsError(Exception):
     pass
 
@@ -114,6 +132,7 @@ def vllm_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=_human_int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    p.add_argument("--kv-events-config", type=_json_object, default=None)
     # Validated, not modelled:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None)
@@ -149,6 +168,12 @@ def apply_vllm_args(args: argparse.Namespace, argv: list[str]) -> tuple[list[str
     if vllm.enable_prefix_caching is not None:
         args.no_prefix_caching = not vllm.enable_prefix_caching
     args.kv_cache_dtype = vllm.kv_cache_dtype
+    events = vllm.kv_events_config
+    if events is not None and events.get("enable_kv_cache_events") and events.get("publisher", "zmq") == "zmq":
+        # vLLM's KVEventsConfig: its default endpoint is tcp://*:5557; topic and replay_endpoint are optional.
+        args.kv_events_endpoint = events.get("endpoint", "tcp://*:5557")
+        args.kv_events_topic = events.get("topic", "")
+        args.kv_events_replay_endpoint = events.get("replay_endpoint")
     if vllm.tensor_parallel_size is not None and vllm.tensor_parallel_size < 1:
         raise ValueError(f"vLLM arguments: --tensor-parallel-size must be >= 1, got {vllm.tensor_parallel_size}")
     not_modelled = [f"--{n.replace('_', '-')}" for n in NOT_MODELLED if getattr(vllm, n) is not None]
@@ -200,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     settings = SimSettings(
         model=args.model, profile=gpu, engine=config, host=args.host, port=args.port, seed=args.seed,
         time_scale=args.time_scale, max_model_len=args.max_model_len, fault_injection=args.fault_injection,
-        aliases=args.aliases, model_path=args.model_path,
+        aliases=args.aliases, model_path=args.model_path, kv_events=_kv_events(args),
     )
     configure_logging("info")
     if not_modelled:

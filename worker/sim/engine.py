@@ -157,6 +157,10 @@ class EngineCore:
         return len(self._waiting)
 
     @property
+    def kv_cache(self) -> KVCache:
+        return self._kv
+
+    @property
     def kv_usage(self) -> float:
         return self._kv.usage
 
@@ -326,7 +330,7 @@ class EngineCore:
             if req._hashes is not None:
                 full = min(req._computed, len(req.prompt_tokens)) // bs
                 if full > req._registered:
-                    self._kv.register(req._blocks, req._hashes, req._registered, full)
+                    self._kv.register(req._blocks, req._hashes, req._registered, full, req.prompt_tokens)
                     req._registered = full
             if req._pending == 0:
                 emitted.append(req)

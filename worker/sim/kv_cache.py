@@ -16,6 +16,11 @@ Evictable blocks count as free: usage, like vLLM's `kv_cache_usage_perc`, is the
 referenced by live sequences. Two sequences that computed the same block concurrently (both missed) keep
 one registered copy; the other block stays unhashed and is recycled as fresh when freed.
 
+KV events (vLLM's `BlockStored` / `BlockRemoved` / `AllBlocksCleared`): when `events` is a list, each
+registration of new blocks appends ("stored", hashes, parent hash or None, token ids), each eviction of a
+hashed block ("removed", [hash]) and `reset` ("cleared",); the server publishes them after each step
+(worker/sim/kv_events.py).
+
 No I/O and no clock: the engine calls this synchronously inside a step.
 """
 
@@ -26,7 +31,8 @@ from collections.abc import Sequence
 
 
 class KVCache:
-    __slots__ = ("num_blocks", "block_size", "prefix_caching", "_ref", "_hash", "_by_hash", "_fresh", "_evictable")
+    __slots__ = ("num_blocks", "block_size", "prefix_caching", "events", "_ref", "_hash", "_by_hash", "_fresh",
+                 "_evictable")
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -34,6 +40,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.events: list[tuple[object, ...]] | None = None  # KV events since the last publish, when published
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         self._by_hash: dict[int, int] = {}  # hash -> block id, for every registered block (live or evictable)
@@ -92,15 +99,44 @@ class KVCache:
         blocks.append(self._take_fresh())
         return True
 
-    def register(self, blocks: Sequence[int], hashes: Sequence[int], start: int, end: int) -> None:
-        """Make blocks[start:end], now computed, findable by hashes[start:end]."""
+    def register(self, blocks: Sequence[int], hashes: Sequence[int], start: int, end: int,
+                 tokens: Sequence[int] = ()) -> None:
+        """Make blocks[start:end], now computed, findable by hashes[start:end] (`tokens`: the sequence's token
+        ids, for the stored event)."""
         if not self.prefix_caching:
             return
+        run: list[int] = []  # consecutive newly registered blocks: one stored event, as vLLM sends
         for i in range(start, end):
             h = hashes[i]
             if h not in self._by_hash:
                 self._by_hash[h] = blocks[i]
                 self._hash[blocks[i]] = h
+                run.append(i)
+            elif run:
+                self._stored(hashes, run, tokens)
+                run = []
+        if run:
+            self._stored(hashes, run, tokens)
+
+    def _stored(self, hashes: Sequence[int], run: list[int], tokens: Sequence[int]) -> None:
+        if self.events is None:
+            return
+        bs = self.block_size
+        first, last = run[0], run[-1]
+        self.events.append(("stored", [hashes[i] for i in run], hashes[first - 1] if first else None,
+                            list(tokens[first * bs:(last + 1) * bs])))
+
+    def reset(self) -> bool:
+        """vLLM's reset_prefix_cache: forget every cached block; refused (False) while sequences hold blocks."""
+        if any(self._ref):
+            return False
+        self._by_hash.clear()
+        self._hash = [None] * self.num_blocks
+        self._evictable.clear()
+        self._fresh = list(range(self.num_blocks - 1, -1, -1))
+        if self.events is not None:
+            self.events.append(("cleared",))
+        return True
 
     def free(self, blocks: Sequence[int]) -> None:
         """Release one sequence's blocks, tail first (see the module docstring)."""
@@ -118,6 +154,8 @@ class KVCache:
         else:
             b, _ = self._evictable.popitem(last=False)
             del self._by_hash[self._hash[b]]  # type: ignore[index]
+            if self.events is not None:
+                self.events.append(("removed", [self._hash[b]]))
             self._hash[b] = None
         self._ref[b] = 1
         return b

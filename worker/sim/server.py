@@ -28,6 +28,7 @@ from aiohttp import web
 from worker.sim.engine import EngineConfig, EngineCore, SimRequest
 from worker.sim.faults import FaultError, Faults
 from worker.sim.gpu import SimulatedGpu
+from worker.sim.kv_events import KVEventPublisher, KVEventsConfig
 from worker.sim.metrics import SimMetrics
 from worker.sim.profiles import GpuProfile
 from worker.sim.tokenizer import render_chat, token_pieces, tokenize
@@ -55,6 +56,7 @@ class SimSettings:
     # name `model`, the first served name, as vLLM's do.
     aliases: tuple[str, ...] = ()
     model_path: str | None = None  # vLLM's `--model` (a Hugging Face id or path): `root` in /v1/models
+    kv_events: KVEventsConfig | None = None  # publish KV-cache events (worker/sim/kv_events.py)
 
     def serves(self, name: object) -> bool:
         return name == self.model or name in self.aliases
@@ -89,6 +91,7 @@ class SimServer:
         self.metrics = SimMetrics(engine, settings.engine, settings.model)
         self.gpu = SimulatedGpu(profile=settings.profile, engine=engine, sim_clock=self.sim_now)
         self.ready = asyncio.Event()
+        self.kv_events: KVEventPublisher | None = None
 
     def sim_now(self) -> float:
         return (time.monotonic() - self._epoch) / self.settings.time_scale
@@ -106,18 +109,37 @@ class SimServer:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/sim/gpu", self._gpu)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         if self.settings.fault_injection:
             app.router.add_route("*", "/sim/faults", self._faults)
         app.cleanup_ctx.append(self._engine_task)
         return app
 
     async def _engine_task(self, app: web.Application) -> AsyncIterator[None]:
+        if self.settings.kv_events is not None:
+            self.kv_events = KVEventPublisher(self.settings.kv_events)
+            self.engine.kv_cache.events = []
         task = asyncio.create_task(self._run_engine(), name="sim-engine")
         self.ready.set()
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if self.kv_events is not None:
+            await self.kv_events.close()
+
+    def _publish_kv_events(self) -> None:
+        kv = self.engine.kv_cache
+        if self.kv_events is not None and kv.events:
+            self.kv_events.publish(kv.events, kv.block_size)
+            kv.events = []
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's POST /reset_prefix_cache: refused (400) while requests hold blocks."""
+        if not self.engine.kv_cache.reset():
+            return _vllm_error(400, "the prefix cache cannot be reset while requests are running", "BadRequestError")
+        self._publish_kv_events()
+        return web.Response(status=200)
 
     # ---- engine loop ---------------------------------------------------------------------------------
 
@@ -133,6 +155,7 @@ class SimServer:
             step_start = self.sim_now()
             try:
                 result = self.engine.step(step_start)
+                self._publish_kv_events()
             except Exception:  # a simulator bug: fail the waiting requests rather than hang them forever
                 log.exception("engine step failed; aborting the requests in flight")
                 for pending in list(self._pending.values()):
