@@ -35,8 +35,8 @@ How: `ListenerSite` creates a `ClientConnection` (a subclass of aiohttp's protoc
 per accepted socket. It overrides public methods only: `connection_made` (the caps), `data_received` (a new
 request's first byte), `log_access` (aiohttp calls it once a response is written: idle from then on),
 `connection_lost`, `handle_error`. The server's request handler is wrapped to mark a complete request head.
-Slow readers of responses and minimum transfer rates are left to later work on hostile clients; the phase
-machine here is where they belong.
+Clients that stop reading a response are timed per write by the proxy (router/proxy.py, `limits.writeTimeout`,
+counted here as phase `write`); there is no minimum transfer rate.
 """
 
 from __future__ import annotations
