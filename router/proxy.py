@@ -225,11 +225,15 @@ class Proxy:
                     raise UpstreamFailed("timeout", message) from None
                 return Outcome(error_response(504, message, code="upstream_timeout"), 504, error="timeout")
             except aiohttp.ClientError as exc:
-                # Its response head was not HTTP (an oversized header, say), or it closed without answering.
+                # Its response head was not HTTP (an oversized header, say), or it closed without answering (an
+                # engine killed or restarted with the request in it). Nothing reached the client: retried like a
+                # 5xx when a retry is possible (the engine may have seen the request, as with a first-byte timeout).
                 kind = "invalid_response" if isinstance(exc, aiohttp.ClientResponseError) else "disconnect"
                 errors.labels(endpoint_id, kind).inc()
                 self._failed(endpoint_id, kind, exc)
                 what = "sent an invalid response" if kind == "invalid_response" else "closed the connection"
+                if retryable:
+                    raise UpstreamFailed(kind, f"endpoint {endpoint_id} {what}") from None
                 return Outcome(error_response(502, f"endpoint {endpoint_id} {what}", code="upstream_error"), 502,
                                error=kind)
             finally:
@@ -241,7 +245,7 @@ class Proxy:
                     upstream.close()
                     raise UpstreamFailed("http_5xx", f"endpoint {endpoint_id} answered {upstream.status}")
             return await self._stream(request, upstream, endpoint_id, request_id, timeouts, started, loop, deadline,
-                                      counter, booked, waiter, extra_headers)
+                                      counter, booked, waiter, extra_headers, retryable)
 
     async def _stream(
         self,
@@ -257,6 +261,7 @@ class Proxy:
         booked: Prefill | None,
         waiter: Waiter,
         extra_headers: Mapping[str, str] | None = None,
+        retryable: bool = False,
     ) -> Outcome:
         # The engine's reason phrase is not passed on: it means nothing (RFC 9112 section 4) and it is bytes
         # from the engine on the status line (aiohttp < 3.13.4 let a CR/LF in it inject headers).
@@ -345,6 +350,9 @@ class Proxy:
             self._failed(endpoint_id, outcome.error, cause or exc, mid_response=True)
             what = ("the endpoint sent an invalid response" if outcome.error == "invalid_response"
                     else "the endpoint closed the connection")
+            if not response.prepared and retryable:  # its head only, then it died: nothing reached the client
+                raise UpstreamFailed(outcome.error, f"endpoint {endpoint_id}: {what} before the response body") \
+                    from None
             if not response.prepared:  # nothing reached the client: a clean error status instead
                 _unsent(outcome, 502, f"endpoint {endpoint_id}: {what} before the response body", "upstream_error")
             else:
