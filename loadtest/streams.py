@@ -1,10 +1,11 @@
 """Concurrent streams: how many slow streams one router process holds, and what each one costs.
 
-    python -m loadtest.streams                       # 1,000 -> 12,000 streams, about 2 minutes
+    python -m loadtest.streams                       # 1,000 -> 12,000 streams, about 3 minutes
     python -m loadtest.streams --steps 200,400 --hold 2 --json out.json     # a smoke run
 
 One `fleetroute router` process (its defaults: uvloop, `listen.maxConnections: auto`, access log on) in front
-of the zero-latency fake backend (`loadtest/backend.py`, two ports = two endpoints) set to trickle one SSE
+of the zero-latency fake backend (`loadtest/backend.py`: `--backends` processes of two ports = two endpoints
+each) set to trickle one SSE
 token per second per stream, as an engine does for a long generation under load. Streams are opened in
 steps (`--steps`) and all held open; each step holds for `--hold` seconds, then measures:
 
@@ -66,6 +67,7 @@ class Tally:
     errors: dict[str, int] = field(default_factory=dict)
     max_gap: float = 0.0  # the longest wait between two tokens of one stream, since the last reset
     tokens: int = 0
+    samples: list[str] = field(default_factory=list)  # the first error answers' bodies
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
@@ -98,6 +100,8 @@ class StreamClient(asyncio.Protocol):
             if status != "200":
                 code = b"too_many_connections" if b"too_many_connections" in self.head else b""
                 self.tally.error(f"http_{status}" + (f"_{code.decode()}" if code else ""))
+                if len(self.tally.samples) < 5:
+                    self.tally.samples.append(self.head[end + 4:end + 400].decode(errors="replace"))
                 self.closing = True
                 assert self.transport is not None
                 self.transport.close()
@@ -191,7 +195,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     two_cores = (os.cpu_count() or 1) >= 2
     if two_cores:
         os.sched_setaffinity(0, {1})
-    backend, ports = start_backend("1" if two_cores else None, chunks=100_000, interval_ms=args.token_interval * 1000)
+    backends, ports = [], []
+    for _ in range(args.backends):  # several processes: one Python process accepting and feeding thousands of
+        # streams is the first thing to give way (its accept queue overflows: connect timeouts at the router)
+        backend, more = start_backend("1" if two_cores else None, chunks=100_000,
+                                      interval_ms=args.token_interval * 1000)
+        backends.append(backend)
+        ports += more
     group = ProcessGroup()
     steps: list[dict[str, Any]] = []
     clients: list[StreamClient] = []
@@ -251,19 +261,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if sum(tally.errors.values()) > errors_before:
                     stopped = f"errors at {target} streams: {dict(tally.errors)}"
                     break
+        if tally.samples or tally.errors:
+            print("router log tail:\n" + "\n".join(router.log_tail), file=sys.stderr, flush=True)
         return {"benchmark": "streams", "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began)),
                 "machine": {**machine(), "memory_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
                                                               / 2**30, 1)},
                 "settings": {"token_interval_s": args.token_interval, "hold_s": args.hold,
-                             "open_rate": args.open_rate, "endpoints": len(ports), "pinned": two_cores,
+                             "open_rate": args.open_rate, "endpoints": len(ports),
+                             "backend_processes": args.backends, "pinned": two_cores,
                              "descriptor_limit": hard, "soft_limit_before": soft,
                              "router_max_connections": router.ready.get("max_connections")},
-                "baseline": {"rss_mib": round(rss0, 1), "descriptors": fds0}, "steps": steps, "stopped": stopped}
+                "baseline": {"rss_mib": round(rss0, 1), "descriptors": fds0}, "steps": steps, "stopped": stopped,
+                "error_samples": tally.samples}
     finally:
         for client in clients:
             client.close()
         await group.stop_all()
-        backend.stop()
+        for backend in backends:
+            backend.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="streams held at each step (default 1000,...,12000)")
     parser.add_argument("--hold", type=float, default=6.0, help="seconds measured at each step (default 6)")
     parser.add_argument("--token-interval", type=float, default=1.0, help="seconds between two tokens (default 1)")
-    parser.add_argument("--open-rate", type=float, default=1000.0, help="new connections a second (default 1000)")
-    parser.add_argument("--budget", type=float, default=150.0, help="no new step after this many seconds")
+    parser.add_argument("--open-rate", type=float, default=500.0, help="new connections a second (default 500)")
+    parser.add_argument("--backends", type=int, default=3,
+                        help="fake backend processes, two endpoints each (default 3)")
+    parser.add_argument("--budget", type=float, default=180.0, help="no new step after this many seconds")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     try:
