@@ -21,9 +21,9 @@ The ramp stops at the first step with errors (the point where it stops, with the
 `too_many_connections` is the router's own cap, `listen.maxConnections`), or after the last step.
 
 The load generator is this process: one raw asyncio protocol per stream (uvloop when installed), so it
-costs far less than the router per stream. Processes are pinned when the machine has two cores: the router
-on core 0, the backend and this generator on core 1. The soft descriptor limit is raised to the hard one
-first (children inherit it). Ephemeral ports: each stream takes two on loopback (client -> router, router ->
+costs far less than the router per stream. Processes are pinned when the machine has two cores (unless
+`--no-pin`): the router on core 0, the backend and this generator on core 1. The soft descriptor limit is
+raised to the hard one first (children inherit it). Ephemeral ports: each stream takes two on loopback (client -> router, router ->
 engine) of the 28,232 Linux gives by default (`net.ipv4.ip_local_port_range`), so about 14,000 streams is
 the generator's own ceiling on one machine.
 """
@@ -176,23 +176,25 @@ async def open_streams(count: int, host: str, port: int, tally: Tally, clients: 
     loop = asyncio.get_running_loop()
     request = request_bytes(host)
     batch = max(1, int(rate / 20))
+    async def one() -> None:
+        client = StreamClient(tally, request)
+        try:
+            await loop.create_connection(lambda: client, host, port)
+        except OSError as exc:
+            tally.error(f"connect_{exc.errno}")
+            return
+        clients.append(client)
+
     for start in range(0, count, batch):
         began = loop.time()
-        for _ in range(min(batch, count - start)):
-            client = StreamClient(tally, request)
-            try:
-                await loop.create_connection(lambda c=client: c, host, port)
-            except OSError as exc:
-                tally.error(f"connect_{exc.errno}")
-                continue
-            clients.append(client)
+        await asyncio.gather(*(one() for _ in range(min(batch, count - start))))
         await asyncio.sleep(max(0.0, began + batch / rate - loop.time()))
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the router and the backend inherit it
-    two_cores = (os.cpu_count() or 1) >= 2
+    two_cores = (os.cpu_count() or 1) >= 2 and args.pin
     if two_cores:
         os.sched_setaffinity(0, {1})
     backends, ports = [], []
@@ -234,7 +236,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"router pid {pid}: {rss0:.1f} MiB, {fds0} descriptors, max_connections "
                   f"{router.ready.get('max_connections')}, descriptor limit {router.ready.get('descriptor_limit')}",
                   file=sys.stderr, flush=True)
-            began = time.monotonic()
+            began, started = time.monotonic(), time.time()
             for target in args.steps:
                 if time.monotonic() - began > args.budget:
                     stopped = f"the time budget ({args.budget:g}s)"
@@ -263,7 +265,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     break
         if tally.samples or tally.errors:
             print("router log tail:\n" + "\n".join(router.log_tail), file=sys.stderr, flush=True)
-        return {"benchmark": "streams", "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began)),
+        return {"benchmark": "streams", "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
                 "machine": {**machine(), "memory_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
                                                               / 2**30, 1)},
                 "settings": {"token_interval_s": args.token_interval, "hold_s": args.hold,
@@ -293,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", type=int, default=3,
                         help="fake backend processes, two endpoints each (default 3)")
     parser.add_argument("--budget", type=float, default=180.0, help="no new step after this many seconds")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="leave the processes to the scheduler (on a machine shared with other jobs, pinning the "
+                             "router to one core makes it share that core's queue only)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     try:
@@ -311,3 +316,54 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """docs/benchmarks.md's table for one run."""
+    m, s = result["machine"], result["settings"]
+    lines = [f"Run {result['started_utc']} on {m.get('nproc')} cores ({m.get('cpu_model')}), "
+             f"{m.get('memory_gib')} GiB, commit {m.get('commit')}, Python {m.get('python')}, "
+             f"aiohttp {m.get('aiohttp')}, uvloop {m.get('uvloop')}; "
+             f"descriptor limit {s['descriptor_limit']:,}, `maxConnections: auto` = "
+             f"{s['router_max_connections']['ingress']:,}; {s['endpoints']} endpoints in "
+             f"{s['backend_processes']} backend processes; one token every {s['token_interval_s']:g} s per stream. "
+             f"Router baseline: {result['baseline']['rss_mib']} MiB, {result['baseline']['descriptors']} descriptors.",
+             "",
+             "| streams held | router RSS | RSS per stream | descriptors | router CPU (cores) | tokens/s | "
+             "loop lag p99 (bucket) | lag samples > 100 ms | longest token gap | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for step in result["steps"]:
+        lag = step["loop_lag"]
+        p99 = ("-" if lag["p99_s"] is None else "> 2.5 s" if lag["p99_s"] == float("inf")
+               else f"≤ {lag['p99_s'] * 1000:g} ms")
+        errors = ", ".join(f"{k} {v}" for k, v in step["errors"].items()) or "0"
+        lines.append(f"| {step['streams']:,} | {step['rss_mib']} MiB | {step['rss_per_stream_kib']} KiB "
+                     f"| {step['descriptors']:,} | {step['router_cpu_cores']} | {step['tokens_per_s']:,} | {p99} "
+                     f"| {lag['over_100ms']} of {lag['samples']} | {step['max_token_gap_s']} s | {errors} |")
+    lines += ["", f"Stopped: {result['stopped']}."]
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(result: dict[str, Any], out_dir: Path) -> Path:
+    """RSS and loop-lag p99 against streams held (PNG)."""
+    from loadtest.plots import _pyplot
+
+    plt = _pyplot()
+    steps = result["steps"]
+    x = [s["streams"] for s in steps]
+    fig, left = plt.subplots(figsize=(7, 4.2))
+    left.plot(x, [s["rss_mib"] for s in steps], "o-", color="tab:blue", label="router RSS (MiB)")
+    left.set_xlabel("concurrent streams held by one router process")
+    left.set_ylabel("RSS (MiB)", color="tab:blue")
+    right = left.twinx()
+    lag = [min(s["loop_lag"]["p99_s"] or 0.0, 2.5) * 1000 for s in steps]
+    right.plot(x, lag, "s--", color="tab:red", label="loop lag p99 (ms, bucket bound)")
+    right.set_ylabel("event-loop lag p99 (ms)", color="tab:red")
+    right.axhline(100, color="tab:red", linewidth=0.5, linestyle=":")
+    fig.suptitle("Concurrent slow streams through one router process")
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "streams-rss-and-loop-lag.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
