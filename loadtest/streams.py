@@ -24,8 +24,8 @@ The load generator is this process: one raw asyncio protocol per stream (uvloop 
 costs far less than the router per stream. Processes are pinned when the machine has two cores (unless
 `--no-pin`): the router on core 0, the backend and this generator on core 1. The soft descriptor limit is
 raised to the hard one first (children inherit it). Ephemeral ports: each stream takes two on loopback
-(client -> router, router -> engine) of the 28,232 Linux gives by default (`net.ipv4.ip_local_port_range`), so about 14,000 streams is
-the generator's own ceiling on one machine.
+(client -> router, router -> engine) of the 28,232 Linux gives by default (`net.ipv4.ip_local_port_range`),
+so about 14,000 streams is the generator's own ceiling on one machine.
 """
 
 from __future__ import annotations
