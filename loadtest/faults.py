@@ -305,7 +305,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             fleet.live.append(name)
         rss_start = {name: round(rss_mib(r.process.pid), 1) for name, r in fleet.routers.items()}
         outcomes: list[Outcome] = []
-        t0 = time.monotonic()
+        t0, started = time.monotonic(), time.time()
         stop = asyncio.Event()
         traffic = asyncio.create_task(load(fleet, args.rate, stop, t0, outcomes, args.timeout))
         windows: list[Window] = []
@@ -328,7 +328,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         baseline = [o for o in outcomes if o.sent < args.warmup]
         rows = [tally(w, outcomes, args.slow) for w in windows]
         return {
-            "benchmark": "faults", "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "benchmark": "faults", "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "settings": {"rate": args.rate, "hold_s": args.hold, "settle_s": args.settle, "warmup_s": args.warmup,
                          "slow_s": args.slow, "time_scale": args.time_scale, "replicas": 3, "routers": 2,
                          "router_config": config},
