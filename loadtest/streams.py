@@ -46,7 +46,7 @@ import aiohttp
 import yaml
 
 from loadtest.host import cpu_seconds, pin_tree
-from loadtest.processes import ProcessGroup
+from loadtest.processes import ProcessGroup, listener_url
 from loadtest.router_overhead import machine, start_backend
 
 MODEL = "llama-3-8b"
@@ -127,12 +127,6 @@ class StreamClient(asyncio.Protocol):
         self.closing = True
         if self.transport is not None:
             self.transport.close()
-
-
-def listener_url(bound: str | list[str]) -> str:
-    """The router's start-up line names each listener's bound addresses (`127.0.0.1:PORT`)."""
-    address = bound[0] if isinstance(bound, list) else bound
-    return address if address.startswith("http") else "http://" + address
 
 
 def rss_mib(pid: int) -> float:
@@ -224,7 +218,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         pid = router.process.pid
         if two_cores:
             pin_tree(pid, {0})
-        ingress, admin = (listener_url(router.ready[name]) for name in ("ingress", "admin"))
+        ingress, admin = (listener_url(router, name) for name in ("ingress", "admin"))
         host, port = ingress.removeprefix("http://").rsplit(":", 1)
         async with aiohttp.ClientSession() as http:
             async with http.post(ingress + "/v1/chat/completions", data=BODY.replace(b"true", b"false"),
