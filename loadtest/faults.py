@@ -15,6 +15,9 @@ each fault of `--faults` is injected for `--hold` seconds, cleared, and followed
     hang     sim-1 is SIGSTOPped (a wedged process: the kernel still accepts connections), SIGCONT at the end
     5xx      sim-2 answers every inference request 500
     redis    Redis is SIGKILLed, and restarted (empty) when the hold ends
+    kube     the Kubernetes API server goes away (connections refused, watches cut) and comes back: with this
+             fault the routers discover the replicas from EndpointSlices served by tests/fake_kube.py (the
+             fake API server the tests use, in this process) instead of a static list
     sigterm  router-a gets SIGTERM under load; the client stops sending it new requests at that moment (as
              the Service's endpoints drop a terminating pod), and it is started again once it has exited
 
@@ -58,7 +61,8 @@ from loadtest.processes import Child, ProcessGroup
 from loadtest.redis_server import RedisServer
 from loadtest.soak import rss_mib, start_sim
 
-FAULTS = ("netem", "kill", "hang", "5xx", "redis", "sigterm")
+FAULTS = ("netem", "kill", "hang", "5xx", "redis", "kube", "sigterm")
+NAMESPACE, SERVICE = "inference", "sims"
 MODEL = "llama-3-8b"
 
 
@@ -94,6 +98,8 @@ class Fleet:
     routers: dict[str, Child] = field(default_factory=dict)
     router_ports: dict[str, int] = field(default_factory=dict)
     live: list[str] = field(default_factory=list)  # routers the "Service" sends new requests to
+    kube: Any = None  # tests.fake_kube.FakeKube, with the `kube` fault
+    kube_mark: int = 0  # its request log's length when it came back
     config_path: Path | None = None
     seed: int = 1
 
@@ -223,6 +229,12 @@ async def inject(fault: str, fleet: Fleet, window: Window, hold: float, t0: floa
         fleet.proxy.delay, fleet.proxy.loss = 0.1, 0.05
         await asyncio.sleep(hold)
         fleet.proxy.delay = fleet.proxy.loss = 0.0
+    elif fault == "kube":
+        await fleet.kube.stop()  # watches cut, connections refused
+        await asyncio.sleep(hold)
+        window.note = f"watch requests before the outage: {sum(r.watch for r in fleet.kube.requests)}"
+        fleet.kube_mark = len(fleet.kube.requests)
+        await fleet.kube.start()  # the same port
     elif fault == "sigterm":
         old = fleet.routers["router-a"]
         fleet.live.remove("router-a")  # the Service stops sending it new requests
@@ -245,9 +257,31 @@ async def watch_recovery(fault: str, fleet: Fleet, window: Window, outcomes: lis
         check = lambda: served_by(outcomes, TARGETS[fault], window.cleared)  # noqa: E731
     elif fault == "redis":
         check = lambda: asyncio.to_thread(redis_answers, fleet.redis.port)  # noqa: E731
+    elif fault == "kube":
+        check = lambda: kube_watched_again(fleet)  # noqa: E731
     else:
         check = lambda: answers(http, fleet.url("router-a") + "/v1/models")  # noqa: E731
     window.recovered = await until(check, 120.0, stop)
+
+
+async def kube_watched_again(fleet: Fleet) -> bool:
+    """Both routers have opened a new EndpointSlice watch since the API server came back."""
+    return sum(r.watch for r in fleet.kube.requests[fleet.kube_mark:]) >= len(fleet.routers)
+
+
+async def start_kube(fleet: Fleet, urls: dict[str, int], directory: Path) -> dict[str, Any]:
+    """The fake API server with one Pod and one EndpointSlice per replica; the routers' discovery config."""
+    from tests.fake_kube import FakeKube, endpoint_slice, pod, slice_endpoint  # a test helper, run from the repo
+
+    fleet.kube = kube = await FakeKube().start()
+    for rid, port in urls.items():
+        kube.create("pods", pod(rid, annotations={"fleetroute.io/models": MODEL}), namespace=NAMESPACE)
+        kube.create("endpointslices", endpoint_slice(f"{SERVICE}-{rid}", service=SERVICE, port=port,
+                                                     endpoints=[slice_endpoint(rid, namespace=NAMESPACE)]),
+                    namespace=NAMESPACE)
+    kubeconfig = kube.write_kubeconfig(directory / "kubeconfig", namespace=NAMESPACE)
+    return {"kubernetes": {"service": SERVICE, "kubeconfig": str(kubeconfig), "initialBackoff": "100ms",
+                           "maxBackoff": "1s"}}
 
 
 def redis_answers(port: int) -> bool:
@@ -279,6 +313,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = tempfile.TemporaryDirectory()
     redis = RedisServer(Path(tmp.name) / "redis")
     proxy: FaultProxy | None = None
+    fleet: Fleet | None = None
     try:
         await asyncio.to_thread(redis.start)
         ports = {f"sim-{i}": free_port() for i in range(3)}
@@ -287,16 +322,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         proxy = await FaultProxy.start(ports["sim-2"])
         fleet = Fleet(group, sims, ports, proxy, redis, seed=args.seed)
         urls = {"sim-0": ports["sim-0"], "sim-1": ports["sim-1"], "sim-2": proxy.port}
-        config = {
+        config: dict[str, Any] = {
             "listen": {"host": "127.0.0.1", "port": 0}, "admin": {"host": "127.0.0.1", "port": 0},
-            "endpoints": [{"id": rid, "url": f"http://127.0.0.1:{port}", "models": [MODEL]}
-                          for rid, port in urls.items()],
             "policies": [{"name": "faults", "models": ["*"], "strategy": "least-connections",
                           "health": {"interval": "1s", "timeout": "500ms"},
                           "timeouts": {"firstByte": "5s", "idle": "3s"}, "retries": {"attempts": 3}}],
             "telemetry": {"interval": "500ms"}, "redis": {"url": redis.url},
             "logging": {"accessLog": False}, "shutdownGrace": 10,
         }
+        if "kube" in args.faults:
+            config["discovery"] = await start_kube(fleet, urls, Path(tmp.name))
+        else:
+            config["endpoints"] = [{"id": rid, "url": f"http://127.0.0.1:{port}", "models": [MODEL]}
+                                   for rid, port in urls.items()]
         fleet.config_path = Path(tmp.name) / "router.yaml"
         fleet.config_path.write_text(yaml.safe_dump(config))
         for name in ("router-a", "router-b"):
@@ -343,6 +381,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await group.stop_all()
         if proxy is not None:
             await proxy.close()
+        if fleet is not None and fleet.kube is not None:
+            await fleet.kube.stop()
         redis.kill()
         tmp.cleanup()
 
