@@ -1,6 +1,6 @@
 """Fault-matrix soak: one fault at a time under steady mixed load, and what each one cost the clients.
 
-    python -m loadtest.faults                         # every fault, about 1.5 minutes
+    python -m loadtest.faults                         # every fault, about 2.5 minutes
     python -m loadtest.faults --faults kill,hang --hold 3 --settle 3 --rate 8      # a smoke run
 
 A fleet of three `fleetroute sim --fault-injection` replicas (H100 profile, time-scale 4), the third one
@@ -27,7 +27,8 @@ For each fault, over the requests sent from its injection to the end of its sett
 - **cut mid-stream**: streams that ended with an error after tokens were delivered (never retryable);
 - **slow**: took over `--slow` seconds (default 10);
 - **recovered after**: seconds from clearing the fault until the faulted part serves again (the faulted
-  replica answers a client's request, Redis answers, the restarted router answers), watched in the
+  replica answers a client's request, Redis answers, both routers watch the API server again, the
+  restarted router answers), watched in the
   background while the next faults go on (an ejected replica sits out its ejection time, 30 s at first).
 
 Faults go to different replicas in turn, so each starts from a healthy one.
@@ -305,6 +306,9 @@ def tally(window: Window, outcomes: list[Outcome], slow: float) -> dict[str, Any
         "errors": {e: sum(o.error == e for o in failed) for e in sorted({o.error for o in failed if o.error})},
         "recovered_after_s": None if window.recovered is None else round(window.recovered, 1),
         "note": window.note,
+        # Each failure: when it was sent and ended (seconds since the start), where, and what the client saw.
+        "failures": [{"sent_s": round(o.sent, 2), "ended_s": round(o.ended, 2), "stream": o.stream,
+                      "router": o.router, "endpoint": o.endpoint, "error": o.error} for o in failed],
     }
 
 
