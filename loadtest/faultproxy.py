@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from typing import Any
 
 
 class FaultProxy:
@@ -30,7 +31,8 @@ class FaultProxy:
         self.port = 0
         self._rng = rng or random.Random(0)
         self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # the pipes
+        self._handlers: set[asyncio.Task[Any]] = set()  # one per connection, closing its two sockets
 
     @classmethod
     async def start(cls, target_port: int, **kwargs: float | random.Random) -> FaultProxy:
@@ -40,23 +42,32 @@ class FaultProxy:
         return proxy
 
     async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        handler = asyncio.current_task()
+        assert handler is not None
+        self._handlers.add(handler)
+        writers = [client_writer]
+        pipes: list[asyncio.Task[None]] = []
         try:
             engine_reader, engine_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+            writers.append(engine_writer)
+            pipes = [asyncio.create_task(self._pipe(client_reader, engine_writer)),
+                     asyncio.create_task(self._pipe(engine_reader, client_writer))]
+            self._tasks.update(pipes)
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
         except OSError:
-            client_writer.close()  # the engine is down: so is the path to it
-            return
-        pipes = [asyncio.create_task(self._pipe(client_reader, engine_writer)),
-                 asyncio.create_task(self._pipe(engine_reader, client_writer))]
-        self._tasks.update(pipes)
-        await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
-        for task in pipes:  # one side closed: close both (as a connection through a middlebox does)
-            task.cancel()
-        for writer in (client_writer, engine_writer):
-            writer.close()
-        for task in pipes:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-            self._tasks.discard(task)
+            pass  # the engine is down: so is the path to it
+        finally:
+            for task in pipes:  # one side closed: close both (as a connection through a middlebox does)
+                task.cancel()
+            for task in pipes:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                self._tasks.discard(task)
+            for writer in writers:
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
+            self._handlers.discard(handler)
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError):
@@ -72,8 +83,7 @@ class FaultProxy:
             self._server.close()
         for task in list(self._tasks):
             task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # Each connection's handler closes its sockets once its pipes have ended.
+        await asyncio.gather(*list(self._handlers), return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()

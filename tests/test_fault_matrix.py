@@ -5,6 +5,7 @@ mixed load through two routers lose no request that had not started streaming; a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -38,10 +39,13 @@ def test_a_killed_and_a_hung_engine_lose_no_request_that_had_not_started_streami
 
 async def test_the_fault_proxy_adds_its_delay_and_forwards_every_byte_in_order() -> None:
     async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
         writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
 
     server = await asyncio.start_server(echo, "127.0.0.1", 0)
     proxy = await FaultProxy.start(server.sockets[0].getsockname()[1])
@@ -59,6 +63,7 @@ async def test_the_fault_proxy_adds_its_delay_and_forwards_every_byte_in_order()
         async with asyncio.timeout(10):
             assert await reader.readexactly(5) == b"again"
         writer.close()
+        await writer.wait_closed()
     finally:
         await proxy.close()
         server.close()
