@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(seed-table seed-table-weighted degraded-node prefix-heavy no-sharing
                                  peers-heterogeneous peers-prefix-heavy peers-prefix-heavy-repeat peers-prefix-heavy-high
-                                 overhead scale lab)
+                                 overhead scale lab streams faults)
 for step in "${steps[@]}"; do
     echo "=== $step ($(date -u +%H:%M:%S))"
     case "$step" in
@@ -22,6 +22,10 @@ for step in "${steps[@]}"; do
             mkdir -p "$OUT/scale"
             python -m loadtest.scale --json "$OUT/scale/scale.json" --markdown "$OUT/scale/scale.md" \
                 --plots "$OUT/scale" ;;
+        streams)
+            python -m loadtest.streams --no-pin --open-rate 250 --json "$OUT/streams/streams.json" ;;
+        faults)
+            python -m loadtest.faults --json "$OUT/faults/faults.json" ;;
         lab)
             mkdir -p "$OUT/lab"
             LEAST_PREFILL='prefix-aware least-prefill={"strategy": "prefix-aware", "prefixAware": {"selection": "least-prefill"}}'

@@ -21,7 +21,7 @@ import aiohttp
 import yaml
 
 from loadtest.host import pin_tree
-from loadtest.processes import Child, ProcessGroup
+from loadtest.processes import Child, ProcessGroup, listener_url
 from loadtest.scenario import FleetSpec
 
 
@@ -143,7 +143,7 @@ async def start_router(fleet: Fleet, policy: Mapping[str, Any], extra: Mapping[s
         path.unlink(missing_ok=True)
     if cpus:
         pin_tree(child.process.pid, cpus)
-    return child, child.ready["ingress"], child.ready["admin"]
+    return child, listener_url(child, "ingress"), listener_url(child, "admin")
 
 
 async def wait_for_telemetry(admin_url: str, replicas: int, *, timeout: float) -> bool:

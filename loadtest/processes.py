@@ -46,6 +46,18 @@ class Child:
         return " | ".join(self.log_tail[-lines:])
 
 
+def listener_url(child: Child, listener: str) -> str:
+    """A URL for a router child's listener (`ingress`, `admin`), from its `router listening` line, which names
+    the addresses each listener's sockets are bound to (`127.0.0.1:PORT`; a wildcard is reached over loopback)."""
+    bound = child.ready[listener]
+    address = bound[0] if isinstance(bound, list) else bound
+    if address.startswith("http"):
+        return address
+    host, port = address.rsplit(":", 1)
+    host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host, host)
+    return f"http://{host}:{port}"
+
+
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)

@@ -30,7 +30,7 @@ import yaml
 
 from loadtest.client import Result, run_open_loop
 from loadtest.host import free_port
-from loadtest.processes import Child, ProcessGroup
+from loadtest.processes import Child, ProcessGroup, listener_url
 from loadtest.workload import chat_sessions
 
 FAULTS = ("kill", "errors", "hang", "stall", "slow", "unhealthy")
@@ -134,11 +134,11 @@ async def soak(args: argparse.Namespace) -> dict:
                 if done % 100 == 0:
                     print(f"  {done}/{len(plan)} requests", file=sys.stderr, flush=True)
 
-            results = await run_open_loop(router.ready["ingress"], plan, timeout=60, on_done=progress)
+            results = await run_open_loop(listener_url(router, "ingress"), plan, timeout=60, on_done=progress)
             stop.set()
             await injector
             rss_end = rss_mib(pid)
-            async with aiohttp.ClientSession() as http, http.get(router.ready["admin"] + "/metrics") as resp:
+            async with aiohttp.ClientSession() as http, http.get(listener_url(router, "admin") + "/metrics") as resp:
                 metrics = await resp.text()
         def total(prefix: str, label: str = "") -> float:
             return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()

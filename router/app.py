@@ -42,6 +42,7 @@ from router.explain import DecisionLog, ExplainSettings
 from router.forwarding import Forwarding
 from router.handlers import add_admin_routes, add_ingress_routes, openai_errors
 from router.loads import LoadTracker
+from router.loop_lag import watch_loop_lag
 from router.metrics import RouterMetrics
 from router.policies.registry import PolicyRegistry
 from router.prefix_sharing import PrefixSharing
@@ -133,11 +134,12 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
     )
     ctx.proxy = Proxy(session=session, loads=ctx.loads, metrics=ctx.metrics,
                       credentials=auth.upstream_credentials(ctx.settings.auth), forwarding=ctx.forwarding,
-                      stalls=ctx.stalls)
+                      stalls=ctx.stalls, write_timeout=ctx.settings.client_timeouts.write)
     ctx.http = session
     telemetry = ctx.settings.telemetry
     sync_health_checks(ctx)
-    tasks: list[asyncio.Task[None]] = [asyncio.create_task(run_stall_checks(ctx), name="stall-checks")]
+    tasks: list[asyncio.Task[None]] = [asyncio.create_task(run_stall_checks(ctx), name="stall-checks"),
+                                       asyncio.create_task(watch_loop_lag(ctx.metrics), name="loop-lag")]
     redis_store = None
     if telemetry.enabled:
         wake = asyncio.Event()

@@ -78,8 +78,10 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
                                                request cost = prefillWeight * prompt + predicted output
                                                tokens; on when present or used by loadUnit/order
   limits: {maxBodyBytes: 16777216, maxHeaderBytes: 8190, headerTimeout: 30s, bodyTimeout: 60s,
-           keepAliveTimeout: 75s}              client connections: request head, each body read, idle
-                                               between requests (both listeners)
+           keepAliveTimeout: 75s, writeTimeout: 60s}
+                                               client connections: request head, each body read, idle
+                                               between requests (both listeners), each response write
+                                               to a client that stopped reading (ingress)
   telemetry: {enabled: true, interval: 1s, staleAfter: 5s, timeout: 500ms, gpuSource: none}
   redis: {url: redis://redis:6379/0}           default $REDIS_URL; url: null turns Redis off. With Redis:
                                                agents' telemetry, shared session pins, in-flight

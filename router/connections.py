@@ -35,8 +35,8 @@ How: `ListenerSite` creates a `ClientConnection` (a subclass of aiohttp's protoc
 per accepted socket. It overrides public methods only: `connection_made` (the caps), `data_received` (a new
 request's first byte), `log_access` (aiohttp calls it once a response is written: idle from then on),
 `connection_lost`, `handle_error`. The server's request handler is wrapped to mark a complete request head.
-Slow readers of responses and minimum transfer rates are left to later work on hostile clients; the phase
-machine here is where they belong.
+Clients that stop reading a response are timed per write by the proxy (router/proxy.py, `limits.writeTimeout`,
+counted here as phase `write`); there is no minimum transfer rate.
 """
 
 from __future__ import annotations
@@ -68,6 +68,11 @@ REFUSAL_LINGER = 1.0  # seconds a refused connection may stay open while its req
 # Refused connections lingering at once, per listener (within RESERVED_DESCRIPTORS): past it a refusal closes
 # at once, so a flood of new connections cannot hold descriptors through the refusals themselves.
 MAX_LINGERING = 16
+# The listen queue: connections the kernel has completed and the router has not accepted yet. asyncio's default
+# (100) overflows when a few thousand clients connect at once (a reconnect storm after a rollout): the kernel
+# drops their SYNs and each client waits a retransmission (1 s, then 3 s...). Go asks for net.core.somaxconn
+# (4096 on current kernels), which also caps this.
+LISTEN_BACKLOG = 4096
 
 # Phases of a connection; the timer running in each is named after it.
 HEADER, REQUEST, IDLE, REFUSED = "header", "request", "keepalive", "refused"
@@ -423,7 +428,8 @@ class ListenerSite(web.BaseSite):
         assert server is not None
         server.request_handler = _marking_requests(server.request_handler)
         factory = functools.partial(ClientConnection, server, loop=loop, guard=self._guard, **self._options)
-        self._server = await loop.create_server(factory, self._host, self._port, reuse_port=self._reuse_port)
+        self._server = await loop.create_server(factory, self._host, self._port, reuse_port=self._reuse_port,
+                                                backlog=LISTEN_BACKLOG)
 
 
 def handler_options(timeouts: ClientTimeouts, base: dict[str, Any]) -> dict[str, Any]:

@@ -422,7 +422,8 @@ def _failed_response(model: str, failure: UpstreamFailed, tried: frozenset[str])
     where = f"{len(tried)} endpoint(s) tried for model `{model}`; last: {failure}"
     if failure.kind in ("timeout", "stalled"):
         return error_response(504, f"no answer in time: {where}", code="upstream_timeout")
-    if failure.kind in ("http_5xx", "ejected", "health_check", "gpu_lost"):  # the last three: taken off (rescue)
+    if failure.kind in ("http_5xx", "disconnect", "invalid_response", "ejected", "health_check", "gpu_lost"):
+        # ejected, health_check, gpu_lost: taken off (rescue); disconnect: it closed without answering
         return error_response(502, f"upstream error: {where}", code="upstream_error")
     return error_response(502, f"could not connect: {where}", code="upstream_unreachable")
 

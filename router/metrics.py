@@ -640,6 +640,14 @@ class RouterMetrics:
             "Failed exchanges of prefix blocks through Redis (retried with backoff; routing goes on locally).",
             registry=r,
         )
+        self.event_loop_lag = Histogram(
+            "fleetroute_event_loop_lag_seconds",
+            "How much later than asked the event loop woke a probe timer, sampled every 100 ms (router/loop_lag.py): "
+            "the delay every request, chunk and probe of this process saw at that moment. Over 0.1 s is a stall "
+            "streaming clients notice.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
         # Client connections on the two listeners (router/connections.py): caps and read timeouts.
         self.client_connections = Gauge(
             "fleetroute_client_connections",
@@ -670,7 +678,8 @@ class RouterMetrics:
             "Client connections closed, or requests refused with 408, for taking too long, by listener and phase: "
             "header (the request head was not complete within limits.headerTimeout), body (a read of the request "
             "body waited limits.bodyTimeout), keepalive (idle for limits.keepAliveTimeout between requests: the "
-            "normal end of a keep-alive connection).",
+            "normal end of a keep-alive connection), write (a response write waited limits.writeTimeout for a "
+            "client that stopped reading: the connection was cut and the engine's request cancelled).",
             ["listener", "phase"],
             registry=r,
         )

@@ -20,6 +20,12 @@
   `UpstreamRescued` (the handler sends it elsewhere), a started stream ends with an error event.
 - If the client goes away mid-stream (aiohttp cancels the handler, or a write fails), the upstream
   connection is closed, which makes vLLM abort the request and free its batch slot and KV cache.
+- A client that stops reading is back-pressure: `response.write` waits while the client socket's send buffer
+  is full (aiohttp drains past 64 KiB; the transport's high-water mark is 64 KiB), and meanwhile nothing more
+  is read from the engine, whose own socket fills and pauses it (TCP flow control). So a stalled reader costs
+  the router at most a few hundred KiB, never the whole answer. One write may wait `write_timeout` (config
+  `limits.writeTimeout`, nginx's send_timeout); past it the client connection is cut and the upstream closed,
+  counted in `fleetroute_client_timeouts_total{listener="ingress",phase="write"}`.
 - If the engine's connection ends mid-body (it closed, or sent bytes that are not HTTP, such as a malformed
   chunk), the client's stream ends at once with an error event, and the request's slot is freed.
 - What reaches the client never names the engine's host or port, nor quotes its bytes (an oversized header
@@ -54,7 +60,7 @@ from router.metrics import RouterMetrics
 from router.model import EndpointView
 from router.output_tokens import OutputCount, OutputCounter
 from router.prefill import Prefill
-from router.settings import Timeouts
+from router.settings import ClientTimeouts, Timeouts
 
 if TYPE_CHECKING:
     from aiohttp.client_proto import ResponseHandler
@@ -141,9 +147,10 @@ class Proxy:
     def __init__(
         self, *, session: aiohttp.ClientSession, loads: LoadTracker, metrics: RouterMetrics,
         credentials: Callable[[CIMultiDict[str]], None] | None = None, forwarding: Forwarding | None = None,
-        stalls: StallDetector | None = None,
+        stalls: StallDetector | None = None, write_timeout: float = ClientTimeouts.write,
     ) -> None:
         self._session = session
+        self._write_timeout = write_timeout
         self._stalls = stalls or StallDetector(time.monotonic)
         self._credentials = credentials
         self._forwarding = forwarding or Forwarding()
@@ -227,11 +234,15 @@ class Proxy:
                     raise UpstreamFailed("timeout", message) from None
                 return Outcome(error_response(504, message, code="upstream_timeout"), 504, error="timeout")
             except aiohttp.ClientError as exc:
-                # Its response head was not HTTP (an oversized header, say), or it closed without answering.
+                # Its response head was not HTTP (an oversized header, say), or it closed without answering (an
+                # engine killed or restarted with the request in it). Nothing reached the client: retried like a
+                # 5xx when a retry is possible (the engine may have seen the request, as with a first-byte timeout).
                 kind = "invalid_response" if isinstance(exc, aiohttp.ClientResponseError) else "disconnect"
                 errors.labels(endpoint_id, kind).inc()
                 self._failed(endpoint_id, kind, exc)
                 what = "sent an invalid response" if kind == "invalid_response" else "closed the connection"
+                if retryable:
+                    raise UpstreamFailed(kind, f"endpoint {endpoint_id} {what}") from None
                 return Outcome(error_response(502, f"endpoint {endpoint_id} {what}", code="upstream_error"), 502,
                                error=kind)
             finally:
@@ -243,7 +254,7 @@ class Proxy:
                     upstream.close()
                     raise UpstreamFailed("http_5xx", f"endpoint {endpoint_id} answered {upstream.status}")
             return await self._stream(request, upstream, endpoint_id, request_id, timeouts, started, loop, deadline,
-                                      counter, booked, waiter, extra_headers, on_first_byte)
+                                      counter, booked, waiter, extra_headers, on_first_byte, retryable)
 
     async def _stream(
         self,
@@ -260,6 +271,7 @@ class Proxy:
         waiter: Waiter,
         extra_headers: Mapping[str, str] | None = None,
         on_first_byte: Callable[[], None] | None = None,
+        retryable: bool = False,
     ) -> Outcome:
         # The engine's reason phrase is not passed on: it means nothing (RFC 9112 section 4) and it is bytes
         # from the engine on the status line (aiohttp < 3.13.4 let a CR/LF in it inject headers).
@@ -274,6 +286,7 @@ class Proxy:
         outcome = Outcome(response, upstream.status)
         errors = self._metrics.upstream_errors
         clean = False
+        writing = False  # the idle timer times the client's write, not the engine's silence
         watch = self._losses.watch(upstream)
         try:
             content = upstream.content
@@ -282,13 +295,16 @@ class Proxy:
                 while True:
                     wake = loop.time() + timeouts.idle
                     idle.reschedule(wake if deadline is None else min(wake, deadline))
+                    writing = False
                     chunk = await content.readany()
                     if waiter.released is not None:  # released as this chunk arrived: its timer was about to fire
                         raise TimeoutError
                     if not chunk:
                         break
-                    # A slow client is back-pressure, not an idle engine; only the total deadline still applies.
-                    idle.reschedule(deadline)
+                    # From here a wait is the client's (back-pressure), not the engine's: `write_timeout` applies.
+                    writing = True
+                    wake = loop.time() + self._write_timeout
+                    idle.reschedule(wake if deadline is None else min(wake, deadline))
                     if outcome.ttfb is None:
                         outcome.ttfb = time.perf_counter() - started
                         waiter.first_byte()
@@ -322,6 +338,9 @@ class Proxy:
                 await _end_early(request, response, endpoint_id, "the endpoint stopped making progress")
                 return outcome
             total = deadline is not None and loop.time() >= deadline
+            if writing and not total:
+                self._client_too_slow(request, upstream, outcome, endpoint_id)
+                return outcome
             outcome.error = "total_timeout" if total else "idle_timeout"
             errors.labels(endpoint_id, outcome.error).inc()
             log.warning(
@@ -343,6 +362,9 @@ class Proxy:
             self._failed(endpoint_id, outcome.error, cause or exc, mid_response=True)
             what = ("the endpoint sent an invalid response" if outcome.error == "invalid_response"
                     else "the endpoint closed the connection")
+            if not response.prepared and retryable:  # its head only, then it died: nothing reached the client
+                raise UpstreamFailed(outcome.error, f"endpoint {endpoint_id}: {what} before the response body") \
+                    from None
             if not response.prepared:  # nothing reached the client: a clean error status instead
                 _unsent(outcome, 502, f"endpoint {endpoint_id}: {what} before the response body", "upstream_error")
             else:
@@ -362,6 +384,21 @@ class Proxy:
             else:
                 upstream.close()
         return outcome
+
+    def _client_too_slow(self, request: web.Request, upstream: aiohttp.ClientResponse, outcome: Outcome,
+                         endpoint_id: str) -> None:
+        """The client read nothing for `write_timeout` while a chunk waited: cut it, and cancel the engine's work
+        (the upstream is closed on the way out). Not the endpoint's failure."""
+        outcome.error = "client_disconnect"
+        self._metrics.upstream_errors.labels(endpoint_id, "client_disconnect").inc()
+        self._metrics.client_timeouts.labels("ingress", "write").inc()
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        self._log.warning(("client", "write"), "client stopped reading the response; closing its connection",
+                          endpoint=endpoint_id, timeout_s=self._write_timeout,
+                          client=peer[0] if isinstance(peer, tuple) else None)
+        upstream.close()
+        if request.transport is not None:
+            request.transport.abort()  # not close(): that would wait to flush what the client does not read
 
     def _rescued(self, endpoint_id: str, reason: str) -> UpstreamRescued:
         if reason == "stalled":

@@ -99,6 +99,9 @@ class ClientTimeouts:
     # An idle connection between two requests. Above the 60 s idle timeout of common cloud load balancers,
     # so one never reuses a connection the router has just closed.
     keep_alive: float = 75.0
+    # The longest a write of a response chunk may wait for the client to read (nginx's send_timeout, 60 s): a
+    # client that stops reading a stream holds its engine's batch slot until then (router/proxy.py).
+    write: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -919,6 +922,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         header=limits.duration("headerTimeout", ClientTimeouts.header),
         body=limits.duration("bodyTimeout", ClientTimeouts.body),
         keep_alive=limits.duration("keepAliveTimeout", ClientTimeouts.keep_alive),
+        write=limits.duration("writeTimeout", ClientTimeouts.write),
     )
     limits.done()
     tel = top.sub("telemetry")

@@ -279,7 +279,7 @@ def test_client_timeouts_are_configured_under_limits_and_default_near_nginx() ->
     from router.settings import ConfigError, parse_settings
 
     default = parse_settings({}).client_timeouts
-    assert (default.header, default.body, default.keep_alive) == (30.0, 60.0, 75.0)
+    assert (default.header, default.body, default.keep_alive, default.write) == (30.0, 60.0, 75.0, 60.0)
     assert parse_settings({"limits": {"keepAliveTimeout": "5m"}}).client_timeouts.keep_alive == 300.0
     with pytest.raises(ConfigError, match="limits.headerTimeout: must be a positive duration"):
         parse_settings({"limits": {"headerTimeout": 0}})

@@ -126,3 +126,33 @@ def test_every_error_code_the_router_writes_has_a_row_in_the_architecture_errors
                                                      if line.startswith("| ") and line.count("|") > 4)))
     written = {code for path in root.glob("router/**/*.py") for code in re.findall(r'code="([a-z_]+)"', path.read_text())}
     assert written - rows == set(), "error codes without a row in docs/architecture.md#errors-and-statuses"
+
+
+async def test_the_event_loop_lag_probe_samples_the_loop_and_sees_a_blocked_one() -> None:
+    # router/loop_lag.py: a callback that hogs the loop for 300 ms shows as a sample over 100 ms.
+    import asyncio
+    import time
+
+    from router.loop_lag import watch_loop_lag
+    from router.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    probe = asyncio.create_task(watch_loop_lag(metrics, interval=0.01))
+
+    def count(bucket: str) -> float:
+        return metrics.registry.get_sample_value("fleetroute_event_loop_lag_seconds_bucket", {"le": bucket}) or 0.0
+
+    try:
+        async with asyncio.timeout(5):
+            while count("+Inf") < 3:
+                await asyncio.sleep(0.01)
+        before = count("+Inf") - count("0.25")
+        time.sleep(0.3)  # the loop blocked, as by a hogging callback (the point of the test)
+        async with asyncio.timeout(5):
+            while count("+Inf") - count("0.1") < 1:
+                await asyncio.sleep(0.01)
+        assert count("+Inf") - count("0.25") >= before + 1  # the blocked wake-up: over 250 ms late
+    finally:
+        probe.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await probe

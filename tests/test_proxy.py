@@ -327,3 +327,54 @@ async def test_a_gzip_request_body_reaches_the_engine_decoded_and_unlabelled(mak
         assert resp.status == 200
     assert engine.requests[0]["body"] == CHAT
     assert "content-encoding" not in {k.lower() for k in engine.requests[0]["headers"]}
+
+
+class DyingEngine:
+    """An engine killed with the request in it: it reads the request, then closes without answering (or, with
+    `head`, after sending a stream's response head, as vLLM does at once)."""
+
+    def __init__(self, name: str, *, head: bool = False) -> None:
+        self.name, self.models, self.head, self.url, self.requests = name, (MODEL,), head, "", 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> DyingEngine:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            self.requests += 1
+            if self.head:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+                await writer.drain()
+            writer.close()
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_an_engine_that_dies_with_the_request_in_it_before_answering_is_retried_elsewhere(
+        make_engine, make_router, http) -> None:
+    # A killed engine closes its connections: nothing reached the client, so the request goes to another
+    # endpoint, as after a 5xx (a non-streamed request, and a stream whose head alone had come).
+    for stream, head in ((False, False), (True, True)):
+        dying = await DyingEngine("gpu-dead", head=head).start()
+        healthy = await make_engine("gpu-ok")
+        try:
+            router = await make_router([dying, healthy], policies=[
+                {"name": "default", "models": ["*"], "strategy": "round-robin", "retries": {"attempts": 2}}])
+            for _ in range(4):  # round-robin: both endpoints get first tries
+                async with http.post(router.ingress_url + "/v1/chat/completions", json={**CHAT, "stream": stream}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["x-fleetroute-endpoint"] == "gpu-ok"
+                    await resp.read()
+            assert dying.requests >= 1
+            metrics = await (await http.get(router.admin_url + "/metrics")).text()
+            assert 'fleetroute_upstream_errors_total{endpoint="gpu-dead",kind="disconnect"}' in metrics
+        finally:
+            await dying.stop()

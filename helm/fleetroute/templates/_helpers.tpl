@@ -269,7 +269,8 @@ watch the release namespace's RoutingPolicies, within the delegation the values 
 {{- $services = append $services (include "fleetroute.workerName" (dict "root" $ "pool" .)) -}}
 {{- end -}}
 {{- $cfg := dict
-  "listen" (dict "host" "0.0.0.0" "port" (int .Values.router.containerPorts.http) "trustedProxies" .Values.router.trustedProxies)
+  "listen" (dict "host" "0.0.0.0" "port" (int .Values.router.containerPorts.http) "trustedProxies" .Values.router.trustedProxies
+            "maxConnections" .Values.router.maxConnections "maxConnectionsPerClient" (int .Values.router.maxConnectionsPerClient))
   "admin" (dict "host" "0.0.0.0" "port" (int .Values.router.containerPorts.admin) "tokenEnv" "FLEETROUTE_ADMIN_TOKEN")
   "workers" (int .Values.router.workers)
   "shutdownGrace" (printf "%ds" (int .Values.router.shutdownGraceSeconds))
