@@ -33,6 +33,7 @@ from router.background import contained
 from router.context import RouterContext
 from router.health.active import describe, probe_completion
 from router.health.stall import Suspect
+from router.model import EndpointState
 
 log = logging.getLogger("fleetroute.rescue")
 
@@ -62,8 +63,11 @@ async def _probe(ctx: RouterContext, suspect: Suspect) -> bool:
     endpoint_id = suspect.endpoint_id
     endpoint = ctx.balancer.endpoint(endpoint_id)
     activity = ctx.stalls.activity(endpoint_id)
-    if endpoint is None or activity is None:
-        return False  # it left meanwhile
+    view = ctx.balancer.snapshot.by_id.get(endpoint_id)
+    if endpoint is None or activity is None or view is None or view.state is not EndpointState.SERVING:
+        # It left meanwhile, or is leaving (drained, or a pod terminating, whose address may already be gone or
+        # reused): no probe; its requests end with it, or break and are retried elsewhere.
+        return False
     assert ctx.http is not None
     timeout = ctx.settings.stall.probe_timeout
     log.info("endpoint silent past its stall threshold; probing it",
