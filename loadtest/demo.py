@@ -9,7 +9,7 @@
 3. Prints one row per policy: requests/s, P50/P99 time to first token, P99 end-to-end, per-replica
    utilisation and its coefficient of variation (spread), then stops every child, also on Ctrl-C.
 
-While it runs, the routers' status page (router/status/) shows the fleet live. Every policy's router listens
+While it runs, the routers' status page (router/server/status/) shows the fleet live. Every policy's router listens
 for admin on the same port (chosen once, or `--status-port`), so the URL printed at the start stays valid: the
 page follows from one router to the next and names the policy running. The routers record 5% of their
 routing decisions (`explain.sampleRate`) for the page to list; the same share for every policy.

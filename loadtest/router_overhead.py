@@ -93,7 +93,7 @@ ASYNCIO_ROUTER = (
     "import asyncio, sys\n"
     "from router.settings import load_settings\n"
     "from router.logs import configure_logging\n"
-    "from router.app import serve\n"
+    "from router.server.app import serve\n"
     "s = load_settings(sys.argv[1])\n"
     "configure_logging(s.log_level)\n"
     "asyncio.run(serve(s))\n"

@@ -12,7 +12,7 @@ steps (`--steps`) and all held open; each step holds for `--hold` seconds, then 
 - the router's RSS, and RSS per stream: (RSS now - RSS before the first stream) / streams held;
 - its open file descriptors (`/proc/PID/fd`: one per client connection, one per engine connection);
 - its CPU (utime+stime over the hold, in cores);
-- event-loop lag, from its own `fleetroute_event_loop_lag_seconds` histogram (router/loop_lag.py), the
+- event-loop lag, from its own `fleetroute_event_loop_lag_seconds` histogram (router/server/loop_lag.py), the
   samples of this hold only: p99 (bucket upper bound) and samples over 100 ms;
 - what clients see: the longest gap between two tokens of any stream (ideally 1 s) and errors (a status
   other than 200, or a stream that ended).

@@ -63,7 +63,7 @@ class Balancer:
             for spec in (*self._policies, self._fallback)
         }
         # Told (policy, endpoint, reason) when a rebuild newly excludes an endpoint for a reason that dooms the
-        # requests waiting there (router/health/pool.py RELEASING): the router takes them off (router/rescue.py).
+        # requests waiting there (router/health/pool.py RELEASING): the router takes them off (router/server/rescue.py).
         self.on_excluded: Callable[[str, str, str], None] | None = None
         self._metrics = metrics
         self.loads = loads
@@ -501,7 +501,7 @@ class Balancer:
             child.inc()
         return view
 
-    # ---- explanations (router/explain.py): read only, and only for requests that are explained ------------
+    # ---- explanations (router/server/explain.py): read only, and only for requests that are explained ------------
 
     def annotate(self, model: str, trace: DecisionTrace, exclude: frozenset[str] = frozenset()) -> None:
         """Per candidate of the model's pool (outside `exclude`), the facts every strategy is subject to:

@@ -2,7 +2,7 @@
 through Redis, answered in OpenAI's rate-limit style.
 
 What counts. A request of a tenant with a budget is checked before it queues or routes
-(router/handlers.py): one request against `requestsPerMinute`, its prompt tokens (the estimate of
+(router/server/handlers.py): one request against `requestsPerMinute`, its prompt tokens (the estimate of
 router/cost.py) against `tokensPerMinute`. If both fit, both are charged in the same atomic step; if not,
 nothing is charged and the client gets 429. Completion tokens are only known at the end of the answer (as
 router/output_tokens.py counts them from the stream; a cut stream is charged the tokens it carried): they

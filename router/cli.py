@@ -228,10 +228,10 @@ def _router(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level)
     held.replay()
     if settings.workers > 1:
-        from router.workers import run_workers
+        from router.server.supervisor import run_workers
 
         return run_workers(settings, path)
-    from router.app import serve
+    from router.server.app import serve
 
     try:
         run_event_loop(serve(settings, config_path=path))

@@ -57,7 +57,7 @@ the coarser levels), and an LRU of at most `maxSessions` session means keyed by 
 (about 210 bytes each, whatever the key's length; a hash collision only merges two sessions' statistics).
 
 Everything here is pure (no I/O, no clock, no metrics); the handler calls `CostModel.estimate` before
-routing and `CostModel.learn` after the response, and reports the errors (router/handlers.py).
+routing and `CostModel.learn` after the response, and reports the errors (router/server/handlers.py).
 """
 
 from __future__ import annotations

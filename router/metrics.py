@@ -63,7 +63,7 @@ class RouterMetrics:
         )
         self.tracing_requests = Counter(
             "fleetroute_tracing_requests",
-            "Inference requests seen with tracing on, by whether their trace was sampled (router/tracing.py).",
+            "Inference requests seen with tracing on, by whether their trace was sampled (router/server/tracing.py).",
             ["sampled"],
             registry=r,
         )
@@ -642,13 +642,14 @@ class RouterMetrics:
         )
         self.event_loop_lag = Histogram(
             "fleetroute_event_loop_lag_seconds",
-            "How much later than asked the event loop woke a probe timer, sampled every 100 ms (router/loop_lag.py): "
+            "How much later than asked the event loop woke a probe timer, sampled every 100 ms "
+            "(router/server/loop_lag.py): "
             "the delay every request, chunk and probe of this process saw at that moment. Over 0.1 s is a stall "
             "streaming clients notice.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=r,
         )
-        # Client connections on the two listeners (router/connections.py): caps and read timeouts.
+        # Client connections on the two listeners (router/server/connections.py): caps and read timeouts.
         self.client_connections = Gauge(
             "fleetroute_client_connections",
             "Client connections open, by listener (ingress, admin).",
@@ -665,7 +666,7 @@ class RouterMetrics:
         )
         self.client_connections_drained = Counter(
             "fleetroute_client_connections_drained",
-            "Client connections closed during a shutdown drain (router/drain.py), by listener and how: "
+            "Client connections closed during a shutdown drain (router/server/drain.py), by listener and how: "
             "connection_close (answered with Connection: close: the client was told), client (the client closed "
             "it), timeout (a client timeout), idle (still idle when drainConnections ran out, or idle again after "
             "a request begun before the drain: closed unannounced, which a client sending at that instant sees "
@@ -766,7 +767,7 @@ class RouterMetrics:
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """The exposition (body, content type): this process's registry, or every worker process's in
         multi-process mode. OpenMetrics when the scraper's Accept asks for it: only that format carries the
-        TTFT histogram's exemplars (trace ids, router/tracing.py); else the classic text format."""
+        TTFT histogram's exemplars (trace ids, router/server/tracing.py); else the classic text format."""
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         registry = self.registry
         if directory:  # no exemplars there: prometheus-client does not keep them across processes

@@ -43,11 +43,11 @@ from router.sticky import StickinessSettings
 
 if TYPE_CHECKING:  # parsed by their own modules, which build on this one's field reader
     from router.admission import AdmissionSettings
-    from router.auth import AuthSettings
     from router.control import ControlSettings
-    from router.explain import ExplainSettings
+    from router.server.auth import AuthSettings
+    from router.server.explain import ExplainSettings
+    from router.server.tracing import TracingSettings
     from router.tenants import TenancySettings
-    from router.tracing import TracingSettings
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_ADMIN_CONNECTIONS = 64  # kubelet probes and a few Prometheus scrapers need a handful
@@ -72,7 +72,7 @@ MAX_CONNECTIONS_LIMIT = 1_000_000
 
 @dataclass(frozen=True)
 class Address:
-    """A listener: where it binds, and how many client connections it holds (router/connections.py)."""
+    """A listener: where it binds, and how many client connections it holds (router/server/connections.py)."""
 
     host: str
     port: int
@@ -82,13 +82,13 @@ class Address:
     max_connections: int | None = None
     # Per client address (an IPv6 client: per /64); 0: no per-client cap. Trusted proxies are exempt.
     max_connections_per_client: int = 0
-    # The ingress only: peers whose X-Forwarded-* headers are believed (router/forwarding.py).
+    # The ingress only: peers whose X-Forwarded-* headers are believed (router/server/forwarding.py).
     trusted_proxies: tuple[IPNetwork, ...] = ()
 
 
 @dataclass(frozen=True)
 class ClientTimeouts:
-    """How long a client connection may take, on both listeners (router/connections.py). Near nginx's
+    """How long a client connection may take, on both listeners (router/server/connections.py). Near nginx's
     defaults (client_header_timeout 60s, client_body_timeout 60s, keepalive_timeout 75s)."""
 
     # From a connection's first byte (or its opening) to the end of the request head. A real client sends
@@ -100,7 +100,7 @@ class ClientTimeouts:
     # so one never reuses a connection the router has just closed.
     keep_alive: float = 75.0
     # The longest a write of a response chunk may wait for the client to read (nginx's send_timeout, 60 s): a
-    # client that stops reading a stream holds its engine's batch slot until then (router/proxy.py).
+    # client that stops reading a stream holds its engine's batch slot until then (router/server/proxy.py).
     write: float = 60.0
 
 
@@ -217,21 +217,21 @@ class Settings:
     # Seconds to let in-flight requests finish on shutdown.
     shutdown_grace: float = 30.0
     # The first part of shutdown_grace: open client connections are served with `Connection: close` before the
-    # idle ones are closed (router/drain.py). Above the idle timeouts of common HTTP clients (httpx 5 s,
+    # idle ones are closed (router/server/drain.py). Above the idle timeouts of common HTTP clients (httpx 5 s,
     # aiohttp 15 s), so they close their idle connections first. At most shutdown_grace.
     drain_connections: float = 15.0
     max_header_bytes: int = 8190  # per header line and for the request line (aiohttp parser limits)
     client_timeouts: ClientTimeouts = ClientTimeouts()
-    auth: AuthSettings | None = None  # router.auth; None: no client keys, no admin token
+    auth: AuthSettings | None = None  # router.server.auth; None: no client keys, no admin token
     discovery: DiscoverySettings = DiscoverySettings()
     control: ControlSettings | None = None  # router.control: RoutingPolicy resources; None: file policies only
-    explain: ExplainSettings | None = None  # router.explain: sampling and recent decisions; None: the defaults
+    explain: ExplainSettings | None = None  # router.server.explain: sampling and recent decisions; None: the defaults
     tenancy: TenancySettings | None = None  # router.tenants: tenants, fair sharing, budgets; None: no tenants
     kv_events: Any = None  # router.kv_events.KVEventsSettings: engines' KV-cache events; None: not subscribed
-    # Wedged engines (router/health/stall.py, router/rescue.py): for the router, not per policy, because an
+    # Wedged engines (router/health/stall.py, router/server/rescue.py): for the router, not per policy, because an
     # engine stalls whichever policy sent it the request.
     stall: StallSettings = StallSettings()
-    tracing: TracingSettings | None = None  # router.tracing: OpenTelemetry spans and export; None: off
+    tracing: TracingSettings | None = None  # router.server.tracing: OpenTelemetry spans and export; None: off
 
 
 class Fields:
@@ -365,7 +365,7 @@ def _address(fields: Fields, key: str, default: Address, env_prefix: str, *, oth
     per_client = sub.integer("maxConnectionsPerClient", default.max_connections_per_client, minimum=0,
                              maximum=MAX_CONNECTIONS_LIMIT)
     trusted = _trusted_proxies(sub) if ingress else ()
-    sub.used.update(others)  # fields another module reads (admin.tokenEnv: router.auth)
+    sub.used.update(others)  # fields another module reads (admin.tokenEnv: router.server.auth)
     sub.done()
     env_host = os.environ.get(f"{env_prefix}_HOST")
     env_port = os.environ.get(f"{env_prefix}_PORT")
@@ -951,17 +951,17 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         raise ConfigError("tenancy.tenants", f"tenant {budgeted!r} has a budget, and budgets need redis (they are "
                                              "shared between router replicas through it): set redis.url, or leave "
                                              "requestsPerMinute and tokensPerMinute out")
-    from router.auth import parse_auth  # here, not on top: router.auth builds on this module
+    from router.server.auth import parse_auth  # here, not on top: router.server.auth builds on this module
 
     auth = parse_auth(top, tenancy.names() if tenancy is not None else (DEFAULT_TENANT,))
     from router.control import parse_control  # here, not on top: router.control builds on this module
 
     control = parse_control(top)
-    from router.explain import parse_explain  # here, not on top: router.explain builds on this module
+    from router.server.explain import parse_explain  # here, not on top: router.server.explain builds on this module
 
     explain = parse_explain(top.sub("explain")) if top.get("explain") is not None else None
     stall = _stall(top.sub("stallDetection"))
-    from router.tracing import parse_tracing  # here, not on top: router.tracing builds on this module
+    from router.server.tracing import parse_tracing  # here, not on top: router.server.tracing builds on this module
 
     tracing = parse_tracing(top.sub("tracing")) if top.get("tracing") is not None else None
     kv_events = None

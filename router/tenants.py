@@ -5,7 +5,7 @@ A shared fleet serves many teams or customers. The router names each request's t
 sources, and from nothing else:
 
 - **API keys** (`auth.apiKeysFile` / `apiKeysEnv`): a key followed by `tenant=<name>` belongs to that
-  tenant (router/auth.py records the matching key's tenant on the request). Keys without it, and every key
+  tenant (router/server/auth.py records the matching key's tenant on the request). Keys without it, and every key
   of a file in the old format, belong to `default`. With keys on, the header below is ignored: a client
   holding a key cannot claim another tenant's share or budget.
 - **A header** (`tenancy.header`, default `x-tenant-id`) when no client keys are configured. Its value
@@ -42,7 +42,7 @@ FAIL_MODES = ("open", "closed")
 TENANT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_]{0,30}[a-z0-9])?$")  # like class names: lower-case, 1-32
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an RFC 9110 token
 
-# The tenant of the API key a request presented (set by router/auth.py's key check).
+# The tenant of the API key a request presented (set by router/server/auth.py's key check).
 KEY_TENANT = web.RequestKey("fleetroute.key_tenant", str)
 
 

@@ -19,10 +19,10 @@ import orjson
 import pytest
 
 from router.admission import AdmissionSettings, Pool, PriorityClass
-from router.app import build_context
-from router.context import RouterContext
 from router.logs import JsonFormatter
 from router.model import EndpointState, RequestInfo
+from router.server.app import build_context
+from router.server.context import RouterContext
 from router.settings import ConfigError, parse_settings
 from tests.conftest import MODEL
 

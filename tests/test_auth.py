@@ -13,9 +13,9 @@ from typing import Any
 import orjson
 import pytest
 
-from router import auth
-from router.access_log import AccessLog
 from router.logs import JsonFormatter
+from router.server import auth
+from router.server.access_log import AccessLog
 from router.settings import ConfigError, parse_settings
 from tests.conftest import MODEL
 
@@ -263,7 +263,7 @@ async def test_an_admin_listener_open_to_other_hosts_without_a_token_is_warned_a
         make_engine, make_router, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         reachable_elsewhere: bool, token: str | None, warned: bool) -> None:
     # Tests bind loopback only: a non-loopback admin address (admin.host: 0.0.0.0) is what the check is told.
-    from router import app
+    from router.server import app
 
     if reachable_elsewhere:
         monkeypatch.setattr(app, "is_loopback", lambda host: False)
@@ -283,7 +283,7 @@ async def test_an_admin_listener_open_to_other_hosts_without_a_token_is_warned_a
     ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("fe80::1%eth0", False),
 ])
 def test_which_admin_addresses_count_as_loopback(host: str, loopback: bool) -> None:
-    from router.app import is_loopback
+    from router.server.app import is_loopback
 
     assert is_loopback(host) is loopback
 

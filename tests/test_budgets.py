@@ -20,11 +20,11 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from router.app import RunningRouter, build_context, start_router
 from router.budgets import Budgets, budget_keys, check_reply, openai_duration
 from router.metrics import RouterMetrics
 from router.redis_client import RedisSettings, connect
 from router.redis_input import Rejected
+from router.server.app import RunningRouter, build_context, start_router
 from router.settings import parse_settings
 from router.tenants import TenancySettings, Tenant
 from tests.conftest import MODEL, router_config

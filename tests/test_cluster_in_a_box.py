@@ -476,7 +476,7 @@ async def test_deleting_a_worker_pod_loses_no_request(cluster: Cluster, creds: C
 
 
 def drain_record(cluster: Cluster, router_pod: str) -> dict[str, Any] | None:
-    """The router's own account of its shutdown drain (router/drain.py's last log line), from its log."""
+    """The router's own account of its shutdown drain (router/server/drain.py's last log line), from its log."""
     for line in reversed(cluster.logs(router_pod, "router", 200).splitlines()):
         if line.startswith("{") and '"client connections drained"' in line:
             return dict(json.loads(line))
@@ -486,7 +486,7 @@ def drain_record(cluster: Cluster, router_pod: str) -> dict[str, Any] | None:
 async def test_a_router_rollout_loses_no_request(cluster: Cluster, creds: Credentials) -> None:
     """`kubectl rollout restart` under load, ROLLOUTS times: each old replica gets its preStop sleep (its
     endpoint terminating: no new connections) and then SIGTERM while the clients' keep-alive connections to it
-    are busy or between two requests. The router drains them (router/drain.py): the next request on each is
+    are busy or between two requests. The router drains them (router/server/drain.py): the next request on each is
     answered with `Connection: close`. The clients never resend, so a connection closed under a request
     would show as a failure. FLEETROUTE_TEST_ROLLOUTS=N rolls N times (2 by default, for CI's time)."""
     model = pools()["chat"]

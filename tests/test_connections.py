@@ -1,4 +1,4 @@
-"""Client connections (router/connections.py): header, body and keep-alive timeouts, connection caps per
+"""Client connections (router/server/connections.py): header, body and keep-alive timeouts, connection caps per
 listener and per client address, the admin listener's own budget (liveness survives a flood, also at a
 256-descriptor limit, in a real router process), and clean answers for whatever is refused.
 
@@ -19,7 +19,7 @@ import orjson
 import pytest
 import yaml
 
-from router.connections import MAX_AUTO_CONNECTIONS, client_key, connection_budget
+from router.server.connections import MAX_AUTO_CONNECTIONS, client_key, connection_budget
 from tests.conftest import MODEL
 from tests.test_serve_process import free_port
 
@@ -366,7 +366,7 @@ async def test_the_router_reports_the_addresses_its_listeners_are_bound_to(make_
 
 
 def test_a_wildcard_address_is_reported_as_bound_and_reached_over_loopback() -> None:
-    from router.app import _local_url, show_address
+    from router.server.app import _local_url, show_address
 
     assert show_address("0.0.0.0", 9090) == "0.0.0.0:9090" and show_address("::", 9090) == "[::]:9090"
     assert _local_url((("0.0.0.0", 9090),)) == "http://127.0.0.1:9090"

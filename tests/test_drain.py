@@ -1,4 +1,4 @@
-"""The router's shutdown drain (router/drain.py), in a real router process stopped with SIGTERM: the client
+"""The router's shutdown drain (router/server/drain.py), in a real router process stopped with SIGTERM: the client
 connections open at that moment are told to close (`Connection: close` on the answer to their next request),
 nothing in flight is lost, connections that stay idle for the whole drain are closed at its end, and a request
 still running when `shutdownGrace` ends is cut and counted.

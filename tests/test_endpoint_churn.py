@@ -28,7 +28,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from router.app import RunningRouter, health_round
+from router.server.app import RunningRouter, health_round
 from tests.fake_engine import FakeEngine
 from tests.fake_kube import FakeKube, endpoint_slice, pod, slice_endpoint
 from tests.redis_server import redis_url  # noqa: F401 - fixture
@@ -73,7 +73,7 @@ async def kube() -> AsyncIterator[FakeKube]:
 
 OWN_MODULES = ("router.", "worker.", "prometheus_client.", "uhashring.")
 # What may name an endpoint that is gone without being state kept for it: a bounded history, as a log is (the
-# recent routing decisions: at most explain.recent, router/explain.py), and the last message a loop received
+# recent routing decisions: at most explain.recent, router/server/explain.py), and the last message a loop received
 # (an agent's "new record" announcement on the telemetry channel).
 NOT_STATE = ("ctx.decisions._recent", "task[telemetry-pubsub]:listen.message")
 

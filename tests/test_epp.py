@@ -34,11 +34,11 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
 
-from router.access_log import AccessLog
-from router.app import build_context
 from router.gateway.protocol import SERVICE_NAME, address
 from router.gateway.server import RunningPicker, start_picker
 from router.model import EndpointState
+from router.server.access_log import AccessLog
+from router.server.app import build_context
 from router.settings import parse_settings
 from tests.conftest import MODEL, router_config
 from tests.fake_engine import FakeEngine

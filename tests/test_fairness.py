@@ -21,9 +21,9 @@ import orjson
 import pytest
 
 from router.admission import Pool
-from router.app import build_context
-from router.context import RouterContext
 from router.model import RequestInfo
+from router.server.app import build_context
+from router.server.context import RouterContext
 from router.settings import parse_settings
 from tests.conftest import MODEL
 

@@ -30,8 +30,8 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.app import RunningRouter
 from router.model import EndpointState
+from router.server.app import RunningRouter
 from tests.conftest import MODEL
 from tests.fake_engine import FakeEngine
 from tests.redis_server import redis_url  # noqa: F401 - fixture

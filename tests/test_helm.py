@@ -821,7 +821,7 @@ def test_trusted_proxies_reach_the_router(helm, tmp_path, monkeypatch):
 
 def test_tenants_reach_the_router_with_their_keys(helm, tmp_path, monkeypatch):
     """router.tenancy becomes the router's `tenancy:` block, and router.apiKeys.keys may name a key's tenant."""
-    from router import auth
+    from router.server import auth
 
     objs = [d for d in yaml.safe_load_all(_template(
         helm, "--set", "router.apiKeys.keys={sk-acme-1 tenant=acme,sk-ops-2 explain tenant=ops,sk-anyone-3}",
@@ -859,7 +859,7 @@ def test_bad_tenancy_values_are_rejected_with_a_clear_message(helm, args, messag
 
 
 def test_tracing_values_reach_the_router_with_headers_from_a_secret_and_an_egress_rule(helm, monkeypatch):
-    """router.tracing becomes the router's `tracing:` block; the export headers come from an existing Secret through
+    """router.server.tracing becomes the router's `tracing:` block; the export headers come from an existing Secret through
     the variable the config names, and the router's NetworkPolicy lets it reach the collector."""
     objs = [d for d in yaml.safe_load_all(_template(
         helm, "--set", "router.tracing.enabled=true", "--set-json", "router.tracing.sampleRatio=0.25",

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.app import ReloadRejected, RunningRouter, apply_settings
+from router.server.app import ReloadRejected, RunningRouter, apply_settings
 from router.settings import ConfigError, parse_settings
 from tests.conftest import MODEL, router_config
 from tests.fake_engine import FakeEngine
@@ -472,8 +472,8 @@ async def test_in_a_pod_the_service_account_and_its_namespace_are_used(
     # The service account's files, where the kubelet mounts them (redirected: the test must not touch /var).
     from kubernetes.aio.config import incluster_config
 
-    from router.app import build_context
     from router.discovery import kubernetes as discovery_module
+    from router.server.app import build_context
 
     for name, text in (("token", "sa-token"), ("ca.crt", "-----BEGIN CERTIFICATE-----\n"), ("namespace", "gpu\n")):
         (tmp_path / name).write_text(text)

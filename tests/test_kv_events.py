@@ -14,10 +14,10 @@ import pytest
 from aiohttp import web
 
 from loadtest.host import free_port
-from router.app import RunningRouter, build_context, start_router
 from router.kv_events import Cleared, Rejected, Removed, Stored, decode_batch
 from router.policies.kv_block_index import KVBlockIndex, chain_keys, request_token_ids
-from router.proxy import ENDPOINT_HEADER
+from router.server.app import RunningRouter, build_context, start_router
+from router.server.proxy import ENDPOINT_HEADER
 from router.settings import ConfigError, parse_settings
 from worker.sim.engine import EngineConfig, EngineCore
 from worker.sim.kv_events import KVEventsConfig

@@ -19,7 +19,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from uhashring import HashRing
 
-from router.app import build_context
 from router.balancer import Balancer
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
@@ -28,6 +27,7 @@ from router.policies.base import DecisionTrace, _least, least_loaded, pool_index
 from router.policies.consistent_hash import MAX_BOUNDED_WALK, load_bound, ring_walk
 from router.policies.load_index import MAX_SCALES, LoadIndex
 from router.policies.registry import PolicyRegistry
+from router.server.app import build_context
 from router.settings import PolicySpec, parse_settings
 
 PROPERTY = settings(max_examples=150, deadline=None, derandomize=True, database=None)

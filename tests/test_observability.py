@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from router.access_log import AccessLog
 from router.logs import JsonFormatter
+from router.server.access_log import AccessLog
 from tests.conftest import MODEL
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -129,12 +129,12 @@ def test_every_error_code_the_router_writes_has_a_row_in_the_architecture_errors
 
 
 async def test_the_event_loop_lag_probe_samples_the_loop_and_sees_a_blocked_one() -> None:
-    # router/loop_lag.py: a callback that hogs the loop for 300 ms shows as a sample over 100 ms.
+    # router/server/loop_lag.py: a callback that hogs the loop for 300 ms shows as a sample over 100 ms.
     import asyncio
     import time
 
-    from router.loop_lag import watch_loop_lag
     from router.metrics import RouterMetrics
+    from router.server.loop_lag import watch_loop_lag
 
     metrics = RouterMetrics()
     probe = asyncio.create_task(watch_loop_lag(metrics, interval=0.01))

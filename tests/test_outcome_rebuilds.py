@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from router.app import build_context
-from router.context import RouterContext
 from router.model import RequestInfo
+from router.server.app import build_context
+from router.server.context import RouterContext
 from router.settings import parse_settings
 
 MODELS = ("m-a", "m-b")

@@ -10,9 +10,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from router.app import RunningRouter
 from router.policies.prefix_aware import block_hashes
 from router.prefix_sharing import ENDPOINT_FIELD, ROUTER_FIELD, pack, stream_key
+from router.server.app import RunningRouter
 from tests.conftest import MODEL
 from tests.redis_server import own_redis, redis_url  # noqa: F401 - fixtures
 from tests.test_prefix_aware import text

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from router import presets
-from router.app import apply_settings
+from router.server.app import apply_settings
 from router.settings import ConfigError, PolicySpec, parse_settings
 from tests.conftest import MODEL
 

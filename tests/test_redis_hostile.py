@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from router.app import RunningRouter
 from router.prefix_sharing import ENDPOINT_FIELD, ROUTER_FIELD, stream_key
+from router.server.app import RunningRouter
 from router.shared_loads import LOADS_PREFIX, REPLICAS_KEY
 from router.sticky import KEY_PREFIX as STICKY_PREFIX
 from router.sticky import session_digest

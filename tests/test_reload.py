@@ -9,7 +9,7 @@ import signal
 
 import yaml
 
-from router.app import apply_settings, reload_from
+from router.server.app import apply_settings, reload_from
 from router.settings import parse_settings
 from tests.conftest import MODEL, router_config
 

@@ -20,8 +20,8 @@ import pytest
 import redis.asyncio as aioredis
 from multidict import CIMultiDict
 
-from router.access_log import AccessLog
-from router.forwarding import Forwarding
+from router.server.access_log import AccessLog
+from router.server.forwarding import Forwarding
 from router.sticky import session_digest
 from tests.conftest import MODEL
 from tests.redis_server import redis_url  # noqa: F401 - fixture

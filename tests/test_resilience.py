@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from router.app import health_round
 from router.model import Telemetry
+from router.server.app import health_round
 from tests.conftest import MODEL
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

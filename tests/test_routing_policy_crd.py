@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 import yaml
 
-from router.app import RunningRouter
+from router.server.app import RunningRouter
 from tests.conftest import MODEL
 from tests.fake_crd import ROOT, FakeCRD
 from tests.fake_engine import FakeEngine
@@ -596,7 +596,7 @@ async def test_a_routing_policy_governs_only_what_the_config_delegates(
     # A config reload that lets the name go: the RoutingPolicy takes effect; one that takes it back: it leaves.
     from dataclasses import replace
 
-    from router.app import apply_settings  # what a SIGHUP reload runs
+    from router.server.app import apply_settings  # what a SIGHUP reload runs
 
     base = router.ctx.control.base if router.ctx.control is not None else ()
     apply_settings(router.ctx, replace(router.ctx.settings, policies=()))

@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from router.app import build_context, start_router
+from router.server.app import build_context, start_router
 from router.settings import parse_settings
 from tests.sim_server import MODEL
 from worker.sim.tokenizer import render_chat, tokenize

@@ -1,4 +1,4 @@
-"""A client that stops reading a stream (router/proxy.py, `limits.writeTimeout`): the router stops reading
+"""A client that stops reading a stream (router/server/proxy.py, `limits.writeTimeout`): the router stops reading
 from the engine (TCP back-pressure), so its memory stays bounded however much the engine has to say; and
 after `writeTimeout` the client is cut, the engine's request cancelled, and the cut counted.
 

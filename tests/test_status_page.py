@@ -1,4 +1,4 @@
-"""The status page (router/status/): in a real headless Chromium, in front of a real router and simulated vLLM
+"""The status page (router/server/status/): in a real headless Chromium, in front of a real router and simulated vLLM
 engines, it logs in, lists every endpoint with its telemetry and policy, shows an ejection within seconds,
 drains from its button, and explains decisions; without the admin token it shows nothing. Around it: the
 session cookie's scope and CSRF check, the open (no token) mode, the security headers, and the recorder's
@@ -19,12 +19,12 @@ import aiohttp
 import orjson
 import pytest
 
-from router.app import RunningRouter
-from router.auth import AuthSettings
 from router.model import Endpoint, EndpointView, Telemetry
-from router.status.history import LATENCY_SAMPLES, POINTS, ClassCounts, StatusHistory
-from router.status.page import build_feed
-from router.status.sessions import COOKIE, CSRF_HEADER, BrowserSessions
+from router.server.app import RunningRouter
+from router.server.auth import AuthSettings
+from router.server.status.history import LATENCY_SAMPLES, POINTS, ClassCounts, StatusHistory
+from router.server.status.page import build_feed
+from router.server.status.sessions import COOKIE, CSRF_HEADER, BrowserSessions
 from tests.browser import Watch, chromium
 from tests.sim_server import MODEL, RunningSim
 
@@ -405,7 +405,7 @@ async def test_the_feed_reports_admission_queues_of_a_capped_model(
     router, _ = await fleet(make_sim, make_router, policy=capped, replicas=1)
     for _ in range(2):
         assert await chat(http, router) == 200
-    from router.status.page import sample
+    from router.server.status.page import sample
 
     sample(router.ctx)
     model = build_feed(router.ctx)["models"][0]
@@ -415,7 +415,7 @@ async def test_the_feed_reports_admission_queues_of_a_capped_model(
 
 
 def test_the_status_page_routes_are_registered_on_the_admin_app_only() -> None:
-    from router.app import build_apps, build_context
+    from router.server.app import build_apps, build_context
     from router.settings import parse_settings
 
     ingress, admin = build_apps(build_context(parse_settings({"redis": {"url": None}})))

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from router import auth
+from router.server import auth
 from router.settings import ConfigError, parse_settings
 from router.tenants import DEFAULT_TENANT, TenancySettings, Tenant
 from tests.conftest import MODEL

@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing (router/tracing.py): W3C trace context reaches the engine, spans arrive with the right
+"""OpenTelemetry tracing (router/server/tracing.py): W3C trace context reaches the engine, spans arrive with the right
 parents (in process and over real OTLP/HTTP), tracing is off by default, and a TTFT exemplar links to the trace."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from router.access_log import AccessLog
-from router.app import RunningRouter, build_context, start_router
+from router.server.access_log import AccessLog
+from router.server.app import RunningRouter, build_context, start_router
+from router.server.tracing import NO_TRACE
 from router.settings import ConfigError, parse_settings
-from router.tracing import NO_TRACE
 from tests.conftest import MODEL, router_config
 from tests.fake_engine import FakeEngine
 from tests.otlp_receiver import Receiver, otlp_receiver
@@ -339,7 +339,7 @@ def test_tracing_settings_defaults_and_headers_file(tmp_path) -> None:
 
 
 async def test_tracing_changes_need_a_restart(make_engine, traced) -> None:
-    from router.app import ReloadRejected, apply_settings
+    from router.server.app import ReloadRejected, apply_settings
 
     engine = await make_engine("gpu-0")
     router = await traced([engine])
@@ -365,7 +365,7 @@ def test_off_the_tracing_sdk_is_never_imported() -> None:
     import sys
 
     code = ("import sys, redis; before = {m for m in sys.modules if m.startswith('opentelemetry')}; "
-            "import router.app, router.handlers, router.cli; from router.settings import parse_settings; "
+            "import router.server.app, router.server.handlers, router.cli; from router.settings import parse_settings; "
             "parse_settings({'tracing': {'enabled': False}}); "
             "after = {m for m in sys.modules if m.startswith('opentelemetry')}; "
             "print(sorted(after - before), sorted(m for m in after if m.startswith(('opentelemetry.sdk.trace', "

@@ -14,9 +14,9 @@ import time
 import orjson
 import pytest
 
-from router.app import health_round
 from router.health.stall import StallDetector, StallSettings
-from router.rescue import stall_round
+from router.server.app import health_round
+from router.server.rescue import stall_round
 from router.settings import FALLBACK_POLICY, ConfigError, parse_settings
 from tests.conftest import MODEL
 from tests.test_resilience import Clock, metric
@@ -123,7 +123,7 @@ async def test_a_stream_started_on_an_engine_that_wedges_ends_with_an_error_even
 @pytest.fixture
 def checks_by_hand(monkeypatch) -> None:
     """Stall rounds run only when a test calls `stall_round` (the tests that move a fake clock)."""
-    monkeypatch.setattr("router.rescue.CHECK_INTERVAL", 3600.0)
+    monkeypatch.setattr("router.server.rescue.CHECK_INTERVAL", 3600.0)
 
 
 @pytest.mark.usefixtures("checks_by_hand")

@@ -51,13 +51,13 @@ from kubernetes.aio import client, config
 from kubernetes.aio.client.exceptions import ApiException
 from prometheus_client import Counter, Gauge
 
-from router.app import sync_health_checks, sync_sticky_tables
-from router.context import RouterContext
 from router.control import KubernetesControlSettings
 from router.control.delegation import REASONS, Refusal, check, file_conflict
 from router.control.spec import policy_from_spec
 from router.discovery.kubernetes import _describe, _status_message, configure_client
 from router.progress import Progress
+from router.server.app import sync_health_checks, sync_sticky_tables
+from router.server.context import RouterContext
 from router.settings import ConfigError, PolicySpec, Settings
 
 log = logging.getLogger("fleetroute.control")

@@ -52,8 +52,8 @@ def _run(args: argparse.Namespace) -> int:
     import os
     import sys
 
-    from router.app import build_context
     from router.logs import configure_logging
+    from router.server.app import build_context
     from router.settings import ConfigError, load_settings
 
     try:

@@ -3,7 +3,7 @@
 Envoy forwards the bytes; this only decides. A stream goes:
 1. request headers: kept (model-independent checks need the body); the gateway's subset hint is read;
 2. request body (BUFFERED: whole, `end_of_stream`): parsed exactly as the aiohttp router parses it, then the
-   shared routing core (router/routing.py) describes the request, estimates its cost, finds its session's pin,
+   shared routing core (router/server/route.py) describes the request, estimates its cost, finds its session's pin,
    admission admits or sheds it, and the balancer picks (within the subset, if any). The answer sets the
    destination header and `envoy.lb` metadata (router/gateway/protocol.py), or is an ImmediateResponse in the
    OpenAI error shape (400/404 refused, 429 shed, 503 no endpoint);
@@ -29,16 +29,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
-from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
-from router.context import RouterContext
 from router.errors import error_response
 from router.gateway import protocol
-from router.handlers import REQUEST_ID
+from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from router.prefill import Prefill
-from router.proxy import ENDPOINT_HEADER
-from router.routing import (
+from router.server.context import RouterContext
+from router.server.handlers import REQUEST_ID
+from router.server.proxy import ENDPOINT_HEADER
+from router.server.route import (
     Described,
     choose,
     describe,

@@ -21,10 +21,11 @@ import functools
 from urllib.parse import urlsplit
 
 from aiohttp import web
+from google.protobuf import struct_pb2
+
 from router.gateway.envoy_api.envoy.config.core.v3 import base_pb2
 from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from router.gateway.envoy_api.envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 
 DESTINATION = "x-gateway-destination-endpoint"
 DESTINATION_NAMESPACE = "envoy.lb"

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
-from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from router.app import build_apps
-from router.context import RouterContext
+from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from router.gateway.ext_proc import EndpointPicker
 from router.gateway.protocol import SERVICE_NAME
+from router.server.app import build_apps
+from router.server.context import RouterContext
 
 log = logging.getLogger("fleetroute.epp")
 

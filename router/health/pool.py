@@ -10,7 +10,7 @@ breaker; `acquire` hands out half-open probe slots; `eject` ejects at once for a
 
 When a build finds an endpoint newly out for a reason that dooms the requests waiting on it (`RELEASING`:
 ejected, failing its health checks, a lost GPU), `on_excluded` is told, and the router takes those requests
-off it (router/rescue.py). The other reasons leave them be: an open breaker or a throttling GPU still answers.
+off it (router/server/rescue.py). The other reasons leave them be: an open breaker or a throttling GPU still answers.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ watches what each endpoint does with the requests this router has sent it:
   a model): "far beyond its own recent history and its peers'". A non-streamed answer's first byte comes
   when it is complete, so a fleet serving long generations has long first-byte times and a high threshold.
 - Silence past the threshold makes the endpoint a **suspect**, not yet a verdict: a healthy engine busy with
-  long non-streamed generations is silent too. router/rescue.py probes each suspect with a 1-token
+  long non-streamed generations is silent too. router/server/rescue.py probes each suspect with a 1-token
   completion; only a probe that fails (no answer within `probeTimeout`, a 5xx, no connection) while the
   endpoint stays silent makes it **stalled**. A probe that answers counts as progress.
 

@@ -67,7 +67,7 @@ class LoadView(Protocol):
 
 
 class DecisionTrace:
-    """Why a picker chose what it chose, for a request that asked for an explanation (router/explain.py).
+    """Why a picker chose what it chose, for a request that asked for an explanation (router/server/explain.py).
 
     Pickers take it as an optional last argument and fill it in only when it is given, so an unexplained
     pick does no extra work. What goes in is what the picker really compared: the values it weighed per
@@ -75,7 +75,7 @@ class DecisionTrace:
     (`detail`: the hash key, the blocks hashed, a guard's threshold) and the `reason` for the choice in one
     word (`prefix_hit`, `load_guard_imbalance`, `best_of_sample`, `ring`, `rotation`, ...).
 
-    Values stay exact here (router/explain.py rounds them for reading); the balancer adds the facts every
+    Values stay exact here (router/server/explain.py rounds them for reading); the balancer adds the facts every
     strategy shares (telemetry, slow-start weight, breaker) without overwriting a picker's own. A detail
     that lists endpoints lists at most MAX_LISTED of them (`listed`), so a trace's size never grows with
     the fleet beyond one entry per candidate.
@@ -129,7 +129,7 @@ class Policy(Protocol):
 
 
 # An explanation lists at most this many endpoint ids in one detail value (ties, ring walks): its size must not
-# grow with the fleet (router/explain.py bounds the candidates themselves).
+# grow with the fleet (router/server/explain.py bounds the candidates themselves).
 MAX_LISTED = 16
 
 

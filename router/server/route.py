@@ -1,6 +1,6 @@
 """The routing core: one request description in, one endpoint out, and the rule for judging its outcome.
 
-Two data paths call it: the aiohttp proxy (router/handlers.py), which forwards the bytes itself, and the
+Two data paths call it: the aiohttp proxy (router/server/handlers.py), which forwards the bytes itself, and the
 ext_proc endpoint picker (router/gateway/), which tells Envoy where to send them. Neither the core nor any
 policy knows which one called: both build the same `RequestInfo` from the parsed body and headers, estimate
 its cost, look up its session pin, and pick through the balancer (stickiness first, then the policy). What is
@@ -18,12 +18,12 @@ from typing import Any
 
 from aiohttp import web
 
-from router.context import RouterContext
 from router.cost import CostEstimate, CostSettings
 from router.errors import clip, error_response
 from router.model import EndpointView, RequestInfo
 from router.policies.base import DecisionTrace
 from router.policies.consistent_hash import load_bound
+from router.server.context import RouterContext
 from router.settings import PolicySpec
 from router.sticky import StickyTable
 from router.tenants import Tenant

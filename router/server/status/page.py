@@ -37,18 +37,18 @@ from urllib.parse import parse_qs
 import orjson
 from aiohttp import web
 
-from router.auth import is_admin_token
 from router.background import contained
-from router.context import CONTEXT, RouterContext
 from router.errors import clip, error_response
-from router.explain import Decision, summarise
-from router.handlers import get_decision
 from router.logs import RateLimitedLog
 from router.model import EndpointState
 from router.redaction import redact_url
-from router.request_body import BodyRejected, expect_handler, read_body
-from router.status.history import INTERVAL, LATENCY_SAMPLES, LATENCY_WINDOW, POINTS, RATE_WINDOW, ClassCounts
-from router.status.sessions import COOKIE, CSRF_HEADER, PREFIX, BrowserSessions
+from router.server.auth import is_admin_token
+from router.server.context import CONTEXT, RouterContext
+from router.server.explain import Decision, summarise
+from router.server.handlers import get_decision
+from router.server.request_body import BodyRejected, expect_handler, read_body
+from router.server.status.history import INTERVAL, LATENCY_SAMPLES, LATENCY_WINDOW, POINTS, RATE_WINDOW, ClassCounts
+from router.server.status.sessions import COOKIE, CSRF_HEADER, PREFIX, BrowserSessions
 
 log = logging.getLogger("fleetroute.status")
 
@@ -68,7 +68,7 @@ LOGIN_MESSAGES = {"": "", "wrong": "That is not the admin token.", "expired": "Y
 
 
 def add_status_page(app: web.Application, sessions: BrowserSessions) -> None:
-    """Register the page on the admin app (its middleware already knows `sessions`: router/auth.py)."""
+    """Register the page on the admin app (its middleware already knows `sessions`: router/server/auth.py)."""
     app[SESSIONS] = sessions
     app[ASSETS] = _load_assets()
     app[LOGIN_LOG] = RateLimitedLog(log)
@@ -87,7 +87,7 @@ def add_status_page(app: web.Application, sessions: BrowserSessions) -> None:
 
 def _load_assets() -> dict[str, tuple[bytes, str]]:
     """Every file the page needs, read once: {name: (bytes, etag)}."""
-    folder = resources.files("router.status") / "assets"
+    folder = resources.files("router.server.status") / "assets"
     out = {}
     for name in (*ASSET_TYPES, "index.html", "login.html"):
         body = (folder / name).read_bytes()
@@ -184,7 +184,7 @@ async def logout(request: web.Request) -> web.Response:
 
 def _set_state(state: EndpointState) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def handler(request: web.Request) -> web.Response:
-        # With a token, the middleware has checked the session's CSRF token (router/auth.py). Without one the
+        # With a token, the middleware has checked the session's CSRF token (router/server/auth.py). Without one the
         # listener is open; the custom header still keeps other sites' pages from posting here (sessions.py).
         if not request.app[SESSIONS].required and not request.headers.get(CSRF_HEADER):
             return error_response(403, f"a browser POST needs the {CSRF_HEADER} header", code="csrf_token_missing")

@@ -28,12 +28,12 @@ import logging
 import aiohttp
 from multidict import CIMultiDict
 
-from router import auth
 from router.background import contained
-from router.context import RouterContext
 from router.health.active import describe, probe_completion
 from router.health.stall import Suspect
 from router.model import EndpointState
+from router.server import auth
+from router.server.context import RouterContext
 
 log = logging.getLogger("fleetroute.rescue")
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from router.connections import CUT, ConnectionGuard
+from router.server.connections import CUT, ConnectionGuard
 
 log = logging.getLogger("fleetroute.drain")
 
@@ -45,7 +45,7 @@ log = logging.getLogger("fleetroute.drain")
 @dataclass(frozen=True)
 class DrainReport:
     seconds: float
-    closed: dict[str, int]  # how -> connections (router.connections' ANSWERED, BY_CLIENT, CLOSED_IDLE, CUT...)
+    closed: dict[str, int]  # how -> connections (router.server.connections' ANSWERED, BY_CLIENT, CLOSED_IDLE, CUT...)
 
 
 async def drain_listener(runner: web.AppRunner, guard: ConnectionGuard, *, period: float, grace: float) -> DrainReport:

@@ -1,7 +1,7 @@
 """HTTP handlers: the OpenAI-compatible ingress (`/v1/*`) and the admin surface (`/metrics`, probes,
 `/admin/*`).
 
-One inference request: read the body (router/request_body.py: size, timeout, encodings, `Expect`), parse the
+One inference request: read the body (router/server/request_body.py: size, timeout, encodings, `Expect`), parse the
 JSON, check the model, name its tenant (router/tenants.py, with a `tenancy:` block), estimate its cost when
 the model's policy does or tenants are configured (router/cost.py), check its tenant's budgets
 (router/budgets.py), queue it when its pool is saturated (router/admission.py), pick an endpoint
@@ -27,18 +27,18 @@ from aiohttp import web
 
 from router.admission import AdmissionSettings
 from router.budgets import Verdict
-from router.connections import ClientConnection
-from router.context import CONTEXT, RouterContext
 from router.cost import CostEstimate, CostSettings, relative_error
 from router.errors import clip, error_response
-from router.explain import Attempt, Decision
 from router.model import EndpointState, EndpointView
 from router.output_tokens import OutputCounter
 from router.policies.base import MAX_LISTED, DecisionTrace
-from router.proxy import Outcome, UpstreamFailed, UpstreamRescued
 from router.redaction import redact_url
-from router.request_body import BodyRejected, expect_handler, read_body
-from router.routing import (
+from router.server.connections import ClientConnection
+from router.server.context import CONTEXT, RouterContext
+from router.server.explain import Attempt, Decision
+from router.server.proxy import Outcome, UpstreamFailed, UpstreamRescued
+from router.server.request_body import BodyRejected, expect_handler, read_body
+from router.server.route import (
     Pin,
     choose,
     describe,
@@ -49,8 +49,8 @@ from router.routing import (
     session_pin,
     unknown_model,
 )
+from router.server.tracing import NO_TRACE, RequestTrace
 from router.tenants import Tenant
-from router.tracing import NO_TRACE, RequestTrace
 
 log = logging.getLogger("fleetroute.handlers")
 
@@ -73,11 +73,11 @@ class Served:
     failure: BaseException | None = None  # what interrupted the handler, if anything
     estimate: CostEstimate | None = None  # policies that estimate request costs (router/cost.py)
     cost_settings: CostSettings | None = None
-    decision: Decision | None = None  # an explained request's routing record (router/explain.py)
+    decision: Decision | None = None  # an explained request's routing record (router/server/explain.py)
     tenant: Tenant | None = None  # with a `tenancy:` block: the request's tenant (router/tenants.py)
     budget: Verdict | None = None  # its budget check, for a budgeted tenant (router/budgets.py)
     counter: OutputCounter | None = None  # counts the answer's output tokens (requests with a cost estimate)
-    trace: RequestTrace = NO_TRACE  # its spans, with tracing on (router/tracing.py); NO_TRACE does nothing
+    trace: RequestTrace = NO_TRACE  # its spans, with tracing on (router/server/tracing.py); NO_TRACE does nothing
 
     @property
     def status(self) -> int:
@@ -133,7 +133,7 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
             # A traced request's TTFT carries its trace id (an exemplar): a slow bucket links to a trace.
             metrics.child(metrics.time_to_first_byte, served.model, endpoint).observe(
                 outcome.ttfb, {"trace_id": trace_id} if trace_id is not None else None)
-        if outcome is not None:  # the status page's per-endpoint rates and latencies (router/status/history.py)
+        if outcome is not None:  # the status page's per-endpoint rates and latencies (router/server/status/history.py)
             ctx.status_history.finished(endpoint, status=status, ttfb=outcome.ttfb, duration=duration,
                                         chunks=outcome.chunks,
                                         streamed=outcome.chunks > 1
@@ -277,7 +277,7 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     described = describe(ctx, model, request_id, request.headers, payload, request.path, tenant=tenant)
     info, spec, cost = described.info, described.spec, described.cost
     served.estimate, served.cost_settings = described.estimate, described.cost_settings
-    # None unless this request is explained (asked for by someone allowed to, or sampled): router/explain.py.
+    # None unless this request is explained (asked for by someone allowed to, or sampled): router/server/explain.py.
     decision = served.decision = ctx.decisions.begin(request.headers, request_id, model, spec.name, spec.strategy)
     if tenant is not None and tenant.budgeted and ctx.budgets is not None:
         # Before the queue: the check awaits Redis, and nothing may await between admission and the forward.

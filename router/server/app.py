@@ -21,12 +21,19 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router import auth
 from router.admission import Admission
 from router.background import contained
 from router.balancer import Balancer
 from router.budgets import Budgets
-from router.connections import (
+from router.errors import SERVER_NAME
+from router.loads import LoadTracker
+from router.metrics import RouterMetrics
+from router.policies.registry import PolicyRegistry
+from router.prefix_sharing import PrefixSharing
+from router.prefix_upkeep import PrefixUpkeep, run_upkeep
+from router.redis_client import connect as connect_redis
+from router.server import auth
+from router.server.connections import (
     ConnectionGuard,
     ListenerSite,
     close_when_draining,
@@ -35,28 +42,21 @@ from router.connections import (
     handler_options,
     raise_descriptor_limit,
 )
-from router.context import CONTEXT, RouterContext
-from router.drain import drain_listener
-from router.errors import SERVER_NAME
-from router.explain import DecisionLog, ExplainSettings
-from router.forwarding import Forwarding
-from router.handlers import add_admin_routes, add_ingress_routes, openai_errors
-from router.loads import LoadTracker
-from router.loop_lag import watch_loop_lag
-from router.metrics import RouterMetrics
-from router.policies.registry import PolicyRegistry
-from router.prefix_sharing import PrefixSharing
-from router.prefix_upkeep import PrefixUpkeep, run_upkeep
-from router.proxy import Proxy
-from router.redis_client import connect as connect_redis
-from router.rescue import release_excluded, run_stall_checks
+from router.server.context import CONTEXT, RouterContext
+from router.server.drain import drain_listener
+from router.server.explain import DecisionLog, ExplainSettings
+from router.server.forwarding import Forwarding
+from router.server.handlers import add_admin_routes, add_ingress_routes, openai_errors
+from router.server.loop_lag import watch_loop_lag
+from router.server.proxy import Proxy
+from router.server.rescue import release_excluded, run_stall_checks
+from router.server.status.page import add_status_page
+from router.server.status.sessions import BrowserSessions
+from router.server.tracing import Tracing, TracingSettings, build_tracing
 from router.settings import FALLBACK_POLICY, Settings
 from router.shared_loads import SharedLoads, replica_id
-from router.status.page import add_status_page
-from router.status.sessions import BrowserSessions
 from router.sticky import StickyTable
 from router.telemetry import EmbeddedCollection, MemoryStore, RedisStore, TelemetryFeed, run_feed
-from router.tracing import Tracing, TracingSettings, build_tracing
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -105,7 +105,7 @@ def build_context(
 
 
 async def _tracing(app: web.Application) -> AsyncIterator[None]:
-    """OpenTelemetry (router/tracing.py), built here rather than with the context: its batch processor's thread
+    """OpenTelemetry (router/server/tracing.py), built here rather than with the context: its batch processor's thread
     must start in the process that serves (after `workers` forked)."""
     ctx = app[CONTEXT]
     ctx.tracing = build_tracing(ctx.settings.tracing or TracingSettings(), ctx.metrics, ctx.span_exporter)
@@ -480,7 +480,7 @@ class RunningRouter:
 
     async def shutdown(self) -> None:
         """The graceful stop (SIGTERM): readiness fails, the ingress listener stops accepting and drains its
-        connections (router/drain.py: `Connection: close` on every response for `drainConnections`, then the
+        connections (router/server/drain.py: `Connection: close` on every response for `drainConnections`, then the
         idle ones closed, in-flight requests given until `shutdownGrace`), then everything closes."""
         self.ctx.draining = True
         settings = self.ctx.settings
@@ -553,7 +553,8 @@ async def start_router(ctx: RouterContext, *, reuse_port: bool = False) -> Runni
     ingress_runner = web.AppRunner(ingress, access_log=None, handler_cancellation=True,
                                    shutdown_timeout=settings.shutdown_grace)
     admin_runner = web.AppRunner(admin, access_log=None, shutdown_timeout=1.0)
-    # Header size limits and no header bytes in logs (router.auth), the client timeouts (router.connections).
+    # Header size limits and no header bytes in logs (router.server.auth), the client timeouts
+    # (router.server.connections).
     options = handler_options(settings.client_timeouts, auth.server_options(settings.max_header_bytes))
     admin_guard = ConnectionGuard(listener="admin", max_connections=settings.admin.max_connections
                                   or connection_budget(descriptor_limit(), 0),

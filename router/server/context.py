@@ -17,28 +17,28 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from router.access_log import AccessLog
 from router.admission import Admission
 from router.balancer import Balancer
 from router.budgets import Budgets
 from router.cost import CostModel
 from router.departures import EndpointStateOwner
-from router.explain import DecisionLog
-from router.forwarding import Forwarding
 from router.health.stall import StallDetector
 from router.loads import LoadTracker
 from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
 from router.policies.registry import PolicyRegistry
 from router.prefix_upkeep import PrefixUpkeep
-from router.proxy import Proxy
 from router.retry_budget import RetryBudget
+from router.server.access_log import AccessLog
+from router.server.explain import DecisionLog
+from router.server.forwarding import Forwarding
+from router.server.proxy import Proxy
+from router.server.status.history import StatusHistory
+from router.server.tracing import Tracing
 from router.settings import Settings
 from router.shared_loads import SharedLoads
-from router.status.history import StatusHistory
 from router.sticky import StickyTable
 from router.telemetry import EmbeddedCollection, TelemetryFeed
-from router.tracing import Tracing
 
 if TYPE_CHECKING:  # imported only when Kubernetes discovery is configured (the client is heavy to import)
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -73,11 +73,12 @@ class RouterContext:
     discovery: KubernetesDiscovery | None = None  # while Kubernetes discovery runs (app start-up to shutdown)
     control: RoutingPolicyController | None = None  # while RoutingPolicies are watched (router.control)
     retry_budget: RetryBudget = field(init=False)
-    stalls: StallDetector = field(init=False)  # requests in flight per endpoint, their progress (router/rescue.py)
+    # requests in flight per endpoint, their progress (router/server/rescue.py)
+    stalls: StallDetector = field(init=False)
     stall_task: asyncio.Task[None] | None = None  # the stall checks (app start-up to shutdown)
-    status_history: StatusHistory = field(init=False)  # the status page's recent past (router/status/history.py)
+    status_history: StatusHistory = field(init=False)  # the status page's recent past (router/server/status/history.py)
     access_log: AccessLog = field(default_factory=AccessLog)
-    tracing: Tracing = field(default_factory=Tracing)  # OpenTelemetry (router/tracing.py): off until app start-up
+    tracing: Tracing = field(default_factory=Tracing)  # OpenTelemetry (server/tracing.py): off until app start-up
     span_exporter: SpanExporter | None = None  # tests: spans go here (in process) instead of over OTLP
     forwarding: Forwarding = field(default_factory=Forwarding)  # whose X-Forwarded-* to believe (listen.trustedProxies)
     # Log lines about what clients send (refused bodies): a client can repeat them at will.

@@ -1,11 +1,11 @@
 """Explainable routing decisions: why a request went where it went, for the few requests someone asks about.
 
 Which requests are explained. Nothing is recorded for a request unless (a) it carries
-`x-fleetroute-explain` and its sender may ask (router/auth.py `explain_permission`: the admin token as the
+`x-fleetroute-explain` and its sender may ask (router/server/auth.py `explain_permission`: the admin token as the
 header's value, or `1` from a client whose API key is marked `explain`), or (b) it is drawn by the
 `explain.sampleRate` sample. An unauthorised header changes nothing: the request is served as usual, no
 explanation, no error (counted in `fleetroute_explain_requests_total{outcome="denied"}`), and the header is
-never forwarded upstream (router/proxy.py). For every other request the cost is one header lookup and, with
+never forwarded upstream (router/server/proxy.py). For every other request the cost is one header lookup and, with
 sampling on, one random draw: pickers and the balancer fill a `DecisionTrace` only when handed one.
 
 What is recorded (a `Decision`): the policy and strategy, stickiness (session pinned, hit / gone /
@@ -63,7 +63,7 @@ MAX_RECENT = 10_000
 
 # Attempt outcomes of an endpoint that was chosen but never sent the request.
 NOT_SENT = frozenset({None, "no_probe_slot", "not_sent_deadline", "not_sent_retry_budget"})
-# Permission to explain, given the header's value and the request's Authorization (router/auth.py).
+# Permission to explain, given the header's value and the request's Authorization (router/server/auth.py).
 Permission = Callable[[str, str | None], bool]
 
 

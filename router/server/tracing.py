@@ -23,7 +23,7 @@ Spans are exported by the SDK's batch processor (a background thread: the export
 event loop) over OTLP/HTTP protobuf to `endpoint`. Export results are counted in
 `fleetroute_tracing_spans_exported_total{result}`, and requests by sampling decision in
 `fleetroute_tracing_requests_total{sampled}`. A traced request's trace id is in its access log line and on the TTFT
-histogram as an exemplar (router/handlers.py).
+histogram as an exemplar (router/server/handlers.py).
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ class _SpanTrace(RequestTrace):
         span.set_attribute("fleetroute.outcome", outcome)
         if status is not None:
             span.set_attribute("http.response.status_code", status)
-        # The client leaving is not the endpoint failing (as for outlier detection: router/handlers.py).
+        # The client leaving is not the endpoint failing (as for outlier detection: router/server/handlers.py).
         if outcome not in ("answered", "client_disconnect") or (status is not None and status >= 500):
             span.set_status(self._otel.trace.StatusCode.ERROR, outcome)
         span.end()

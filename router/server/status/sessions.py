@@ -1,7 +1,7 @@
 """Browser sessions for the status page: a cookie instead of the `Authorization` header a navigation cannot send.
 
 - **Login.** `POST /status/login` with the admin token in a form field. The token is checked like every other
-  admin credential (router/auth.py: SHA-256, constant-time compare). On success the answer sets a session
+  admin credential (router/server/auth.py: SHA-256, constant-time compare). On success the answer sets a session
   cookie and redirects to the page; on failure it is the login form again, 401. Both are logged (rate-limited:
   a flood of guesses writes a line per 10 s with the count left out) and counted in
   `fleetroute_status_logins_total{result}`.
@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from router.auth import AuthSettings
+from router.server.auth import AuthSettings
 
 PREFIX = "/status"
 COOKIE = "fleetroute_status"
@@ -50,7 +50,7 @@ _LOGIN = PREFIX + "/login"
 
 
 class BrowserSessions:
-    """Issues and checks the page's session cookies and CSRF tokens (`router.auth.BrowserAccess`)."""
+    """Issues and checks the page's session cookies and CSRF tokens (`router.server.auth.BrowserAccess`)."""
 
     def __init__(self, auth: AuthSettings | None, *, wall: Callable[[], float] = time.time) -> None:
         digest = auth.admin_token_digest if auth is not None else None
@@ -61,7 +61,7 @@ class BrowserSessions:
         self._key = hmac.new(secret, b"fleetroute status-page sessions v1", hashlib.sha256).digest()
         self._wall = wall
 
-    # ---- router.auth.BrowserAccess ------------------------------------------------------------------------
+    # ---- router.server.auth.BrowserAccess ------------------------------------------------------------------------
 
     def public(self, request: web.Request) -> bool:
         path = request.path

@@ -6,7 +6,7 @@
   routes' expect handler (`expect_handler`) sends nothing; `read_body` sends `100 Continue` once the request
   has passed the key check (a middleware, already run) and the size check (a final status instead, as RFC
   9110 section 10.1.1 allows). An expectation other than `100-continue` gets 417. `Expect` is not forwarded:
-  the engine receives a complete request (router/proxy.py).
+  the engine receives a complete request (router/server/proxy.py).
 - **Timeout.** Each read of the body must bring data within `limits.bodyTimeout` (nginx's
   client_body_timeout: between two reads, not for the whole body); a stalled upload gets 408 and the
   connection is closed. Counted in `fleetroute_client_timeouts_total{phase="body"}`.

@@ -14,17 +14,17 @@
   that tenant, which `tenancy.tenants` must list; other keys belong to `default`. The key check finds the
   matching key's index without a branch on the match (`_match_index`) and records its tenant on the request
   (`KEY_TENANT`), where router/tenants.py reads it.
-- **Explanations** (router/explain.py): a key followed by the flag `explain` (`sk-alice explain`) may ask
+- **Explanations** (router/server/explain.py): a key followed by the flag `explain` (`sk-alice explain`) may ask
   for routing explanations with `x-fleetroute-explain: 1`; the admin token may too, as that header's value.
   Nobody else can: their header is ignored (`explain_permission`).
 - **Admin token** (`admin.tokenEnv`, default `FLEETROUTE_ADMIN_TOKEN`): when the variable is set, every
   admin route except the probes and the scrape (`/metrics`, `/healthz`, `/readyz`) needs
   `Authorization: Bearer <token>`. Deny by default: a route added later is protected without a change here.
-  The status page (router/status/) adds one alternative for its own routes only: a session cookie its login
+  The status page (router/server/status/) adds one alternative for its own routes only: a session cookie its login
   form issues after checking the token, with a CSRF token for POSTs (`BrowserAccess`).
 - **Header limits**: aiohttp's parser limits, set explicitly (`limits.maxHeaderBytes` per header line and
   for the request line, 128 header lines). Past them the client gets a 400 before any handler runs (in the
-  OpenAI shape, without the offending bytes: router/connections.py).
+  OpenAI shape, without the offending bytes: router/server/connections.py).
 - **No secrets in logs**: keys are held only as hashes or with `repr=False`, never logged, never echoed in
   an error. aiohttp logs a request it cannot parse with a traceback quoting the offending bytes (an
   oversized or malformed `Authorization` header among them); `ProtocolLog` logs one line with the error's
@@ -267,7 +267,7 @@ def client_auth_middleware(settings: AuthSettings, metrics: RouterMetrics) -> An
 
 
 class BrowserAccess(Protocol):
-    """The status page's browser sessions (router/status/sessions.py), as the admin middleware sees them."""
+    """The status page's browser sessions (router/server/status/sessions.py), as the admin middleware sees them."""
 
     def public(self, request: web.Request) -> bool:
         """A route that shows no data and needs no credentials (the login form and its assets)."""
@@ -323,7 +323,7 @@ def upstream_credentials(settings: AuthSettings | None) -> Callable[[CIMultiDict
 
 
 def explain_permission(settings: AuthSettings | None) -> Callable[[str, str | None], bool] | None:
-    """Who may ask for a routing explanation (router/explain.py), given `x-fleetroute-explain`'s value and the
+    """Who may ask for a routing explanation (router/server/explain.py), given `x-fleetroute-explain`'s value and the
     request's `Authorization`; None when nobody can (no admin token, no key marked `explain`).
 
     - the admin token as the header's value (an operator, with a client key as well if the ingress needs

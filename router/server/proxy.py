@@ -4,7 +4,7 @@
   the client at once, so SSE tokens reach the client when the engine emits them.
 - Hop-by-hop headers (RFC 9110 section 7.6.1, plus any named in `Connection`) are not forwarded in either
   direction; `Host` and `Content-Length` are set for the new hop; the forwarding headers follow the
-  trusted-proxy rule (router/forwarding.py). Response bodies pass through as bytes, compressed or not.
+  trusted-proxy rule (router/server/forwarding.py). Response bodies pass through as bytes, compressed or not.
 - The request counts as in flight at its endpoint until the body ends (`LoadTracker.track`), with its
   predicted cost in tokens when it has one.
 - With an `OutputCounter` (requests with a cost estimate), every chunk is also shown to it, unchanged, so
@@ -51,8 +51,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.errors import clip, error_response
-from router.explain import EXPLAIN_HEADER
-from router.forwarding import Forwarding
 from router.health.stall import StallDetector, Waiter
 from router.loads import LoadTracker
 from router.logs import RateLimitedLog
@@ -60,6 +58,8 @@ from router.metrics import RouterMetrics
 from router.model import EndpointView
 from router.output_tokens import OutputCount, OutputCounter
 from router.prefill import Prefill
+from router.server.explain import EXPLAIN_HEADER
+from router.server.forwarding import Forwarding
 from router.settings import ClientTimeouts, Timeouts
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ HOP_BY_HOP = frozenset(
     )
 )
 # Set again for the next hop by aiohttp itself. Content-Encoding too: the router has already decoded a
-# compressed request body (router/request_body.py), and the decoded bytes are what is forwarded. Expect too:
+# compressed request body (router/server/request_body.py), and the decoded bytes are what is forwarded. Expect too:
 # the router answered `100-continue` itself and sends the engine a complete request (as Envoy does unless
 # proxy_100_continue). The explain header is the router's own (and its value may be the admin token): it
 # never reaches an engine, whoever sent it.
@@ -112,7 +112,7 @@ class Outcome:
     ttfb: float | None = None  # seconds from request start to the first body byte
     error: str | None = None  # upstream error kind, for metrics and the access log
     output: OutputCount | None = None  # with an OutputCounter: what the complete answer held
-    chunks: int = 0  # body chunks forwarded (the status page's inter-token latency: router/status/history.py)
+    chunks: int = 0  # body chunks forwarded (the status page's inter-token latency: router/server/status/history.py)
 
 
 def _strip(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -133,10 +133,10 @@ def upstream_headers(
 ) -> CIMultiDict[str]:
     headers = _strip(request.headers, _NOT_FORWARDED_UP)
     if credentials is not None:
-        credentials(headers)  # router.auth: drop the client's key, or send the engines' instead
+        credentials(headers)  # router.server.auth: drop the client's key, or send the engines' instead
     (forwarding or Forwarding()).rewrite(request, headers)
     headers["X-Request-Id"] = request_id
-    if trace:  # the attempt's W3C trace context (router/tracing.py) replaces the client's, tracestate included
+    if trace:  # the attempt's W3C trace context (router/server/tracing.py) replaces the client's, tracestate included
         headers.popall("tracestate", None)  # (kept in `trace` when the client's traceparent was valid)
         for name, value in trace.items():
             headers[name] = value

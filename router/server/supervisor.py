@@ -27,9 +27,9 @@ log = logging.getLogger("fleetroute.workers")
 
 
 def _worker_main(settings: Settings, index: int, config_path: str | None) -> None:
-    from router.app import serve
     from router.cli import run_event_loop
     from router.logs import configure_logging
+    from router.server.app import serve
 
     configure_logging(settings.log_level)
     logging.getLogger().handlers[0].addFilter(_WorkerTag(index))

@@ -19,12 +19,12 @@ the process has file descriptors, until `accept` failed on the admin listener to
 
   `header` runs from the connection's opening, or from the first byte of a later request, to the end of the
   request head (nginx's client_header_timeout; a slowloris); `keepalive` while idle between requests; the
-  body is timed per read by the only handler that reads one (router/request_body.py). A timer that fires
+  body is timed per read by the only handler that reads one (router/server/request_body.py). A timer that fires
   closes the connection.
 - **Protocol errors.** A request aiohttp cannot parse gets an OpenAI-shaped 400 instead of aiohttp's plain
   text, and no response says `Server: Python/x aiohttp/y`.
 
-- **Drain** (router/drain.py has the sequence): on shutdown a listener's guard starts draining. Every response
+- **Drain** (router/server/drain.py has the sequence): on shutdown a listener's guard starts draining. Every response
   from then on says `Connection: close` and the connection closes after it; a connection that goes idle
   after a request begun before the drain stays open for its next request, until the drain's end closes it.
 
@@ -35,7 +35,7 @@ How: `ListenerSite` creates a `ClientConnection` (a subclass of aiohttp's protoc
 per accepted socket. It overrides public methods only: `connection_made` (the caps), `data_received` (a new
 request's first byte), `log_access` (aiohttp calls it once a response is written: idle from then on),
 `connection_lost`, `handle_error`. The server's request handler is wrapped to mark a complete request head.
-Clients that stop reading a response are timed per write by the proxy (router/proxy.py, `limits.writeTimeout`,
+Clients that stop reading a response are timed per write by the proxy (router/server/proxy.py, `limits.writeTimeout`,
 counted here as phase `write`); there is no minimum transfer rate.
 """
 
@@ -55,9 +55,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
 from router.errors import SERVER_NAME, error_response
-from router.forwarding import Forwarding, parse_ip
 from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
+from router.server.forwarding import Forwarding, parse_ip
 from router.settings import Address, ClientTimeouts
 
 log = logging.getLogger("fleetroute.connections")
@@ -148,7 +148,7 @@ class ConnectionGuard:
         self.lingering = 0  # refused connections still open (REFUSAL_LINGER)
         self._per_client: dict[str, int] = {}
         self._connections: set[ClientConnection] = set()  # admitted and open
-        # Draining (router/drain.py): every response says Connection: close. Closing: past the drain period,
+        # Draining (router/server/drain.py): every response says Connection: close. Closing: past the drain period,
         # a connection is closed as soon as it is idle.
         self.draining = False
         self.closing = False
@@ -175,7 +175,7 @@ class ConnectionGuard:
         if not self._connections:
             self._none_open.set()
 
-    # ---- the drain (router/drain.py) ---------------------------------------------------------------------
+    # ---- the drain (router/server/drain.py) ---------------------------------------------------------------------
 
     def start_draining(self) -> None:
         self.draining = True
@@ -333,7 +333,7 @@ class ClientConnection(web.RequestHandler):
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        # aiohttp's own: one log line (router.auth.ProtocolLog: no request bytes), and ConnectionError when the
+        # aiohttp's own: one log line (router.server.auth.ProtocolLog: no request bytes), and ConnectionError when the
         # response has already begun. Its plain-text body, which may quote the offending line, is not sent.
         super().handle_error(request, status, exc, message)
         if status == 400:
@@ -433,8 +433,8 @@ class ListenerSite(web.BaseSite):
 
 
 def handler_options(timeouts: ClientTimeouts, base: dict[str, Any]) -> dict[str, Any]:
-    """aiohttp's per-connection options (`base`: the header limits and the logger, router.auth), plus:
-    bodies are not decoded by the server (router/request_body.py does it, with clean errors), and aiohttp's
+    """aiohttp's per-connection options (`base`: the header limits and the logger, router.server.auth), plus:
+    bodies are not decoded by the server (router/server/request_body.py does it, with clean errors), and aiohttp's
     own keep-alive close is only a backstop behind this module's timers."""
     return {**base, "auto_decompress": False, "keepalive_timeout": max(timeouts.header, timeouts.keep_alive) + 1,
             "access_log": None}
