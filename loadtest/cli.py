@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from router.settings import ConfigError
+from router.config.settings import ConfigError
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -91,7 +91,7 @@ end
 # The router on plain asyncio: what `fleetroute router` does, minus run_event_loop's uvloop.
 ASYNCIO_ROUTER = (
     "import asyncio, sys\n"
-    "from router.settings import load_settings\n"
+    "from router.config.settings import load_settings\n"
     "from router.logs import configure_logging\n"
     "from router.server.app import serve\n"
     "s = load_settings(sys.argv[1])\n"

@@ -45,7 +45,7 @@ from loadtest.progress import Progress
 from loadtest.scenario import PolicyEntry, Scenario, build_workload
 from loadtest.stats import coefficient_of_variation, summarise, window_of
 from loadtest.workload import Priorities
-from router.settings import ConfigError
+from router.config.settings import ConfigError
 
 CAPACITY_SAMPLE = 600  # requests per GPU type for the modelled capacity
 

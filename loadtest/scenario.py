@@ -40,8 +40,8 @@ import yaml
 from loadtest.arrivals import PROCESSES
 from loadtest.stats import Slo
 from loadtest.workload import APIS, KINDS
-from router.presets import merge
-from router.settings import ConfigError, Fields, _show, parse_settings
+from router.config.presets import merge
+from router.config.settings import ConfigError, Fields, _show, parse_settings
 
 TELEMETRY_MODES = ("redis", "embedded")
 MODES = ("open", "closed")

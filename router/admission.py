@@ -81,11 +81,11 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from router.balancer import Balancer
+from router.config.settings import ConfigError, Fields, PolicySpec, _show
 from router.errors import error_response
 from router.fair_queue import FairClass
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
-from router.settings import ConfigError, Fields, PolicySpec, _show
 from router.tenants import DEFAULT_TENANT, TenancySettings
 
 log = logging.getLogger("fleetroute.admission")
@@ -170,7 +170,7 @@ def parse_admission(f: Fields) -> AdmissionSettings:
     retry_after = f.duration("retryAfter", defaults.retry_after)
     order = f.choice("order", defaults.order, ORDERS)
     # `null` is "not set", so that an entry switching a preset's shortest-expected-first back to fifo can
-    # drop the preset's rate (router/presets.py: a written null replaces the preset's value).
+    # drop the preset's rate (router/config/presets.py: a written null replaces the preset's value).
     if f.get("agingTokensPerSecond") is not None and order == "fifo":
         raise ConfigError(f.at("agingTokensPerSecond"), "applies only with order: shortest-expected-first "
                                                         "(null unsets it)")

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from router.config.settings import PolicySpec, default_policy
 from router.departures import Departures
 from router.health.gpu import GpuHealth
 from router.health.pool import PoolHealth
@@ -32,7 +33,6 @@ from router.metrics import RouterMetrics
 from router.model import Endpoint, EndpointState, EndpointView, RequestInfo, Snapshot, Telemetry
 from router.policies.base import MAX_LISTED, DecisionTrace, Picker
 from router.policies.registry import PolicyRegistry
-from router.settings import PolicySpec, default_policy
 from router.sticky import within_load_bound
 
 log = logging.getLogger("fleetroute.balancer")

@@ -151,7 +151,7 @@ def _presets_help() -> str:
     """One entry per preset, its summary wrapped in the help's right-hand column."""
     import textwrap
 
-    from router import presets
+    from router.config import presets
 
     width = max(len(name) for name in presets.names())
     out = []
@@ -175,8 +175,8 @@ def _show_policies(path: str) -> str:
     """The config file's `policies:` as YAML, each preset expanded into the entry the router parses."""
     import yaml
 
+    from router.config.settings import expand_policy
     from router.policies.registry import PolicyRegistry
-    from router.settings import expand_policy
 
     with open(path, encoding="utf-8") as fh:
         raw = yaml.safe_load(fh) or {}
@@ -196,11 +196,11 @@ def _show_policies(path: str) -> str:
 def _router(args: argparse.Namespace) -> int:
     import os
 
+    from router.config.settings import ConfigError, load_settings
     from router.logs import HeldRecords, configure_logging
-    from router.settings import ConfigError, load_settings
 
     if args.show_preset is not None:
-        from router import presets
+        from router.config import presets
 
         preset = presets.get(args.show_preset)
         assert preset is not None  # argparse's choices
@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fleetroute", description="Load balancer and router for GPU inference fleets."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from router import presets
+    from router.config import presets
 
     router = sub.add_parser(
         "router",

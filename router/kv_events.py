@@ -51,10 +51,10 @@ import zmq
 import zmq.asyncio
 
 from router.background import contained
+from router.config.settings import ConfigError, Fields
 from router.metrics import RouterMetrics
 from router.model import Endpoint
 from router.policies.kv_block_index import DEFAULT_MAX_BLOCKS, KVBlockIndex
-from router.settings import ConfigError, Fields
 
 log = logging.getLogger("fleetroute.kv_events")
 

@@ -36,11 +36,11 @@ from redis.exceptions import RedisError, ResponseError
 
 from router.background import contained
 from router.balancer import Balancer
+from router.config.settings import TelemetrySettings
 from router.metrics import RouterMetrics
 from router.model import Endpoint, Telemetry
 from router.redis_client import RedisClient
 from router.redis_input import MAX_CLOCK_SKEW, Rejected, RejectionLog, text
-from router.settings import TelemetrySettings
 from worker.collect import EngineCollector, SimGpuSampler
 from worker.protocol import (
     FIELD_NAMES,

@@ -9,8 +9,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from router.config.settings import parse_settings
 from router.server.app import RunningRouter, build_context, start_router
-from router.settings import parse_settings
 from tests.fake_engine import FakeEngine
 from tests.sim_server import make_sim  # noqa: F401 - a fixture for every test module
 

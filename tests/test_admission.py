@@ -19,11 +19,11 @@ import orjson
 import pytest
 
 from router.admission import AdmissionSettings, Pool, PriorityClass
+from router.config.settings import ConfigError, parse_settings
 from router.logs import JsonFormatter
 from router.model import EndpointState, RequestInfo
 from router.server.app import build_context
 from router.server.context import RouterContext
-from router.settings import ConfigError, parse_settings
 from tests.conftest import MODEL
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

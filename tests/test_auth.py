@@ -13,10 +13,10 @@ from typing import Any
 import orjson
 import pytest
 
+from router.config.settings import ConfigError, parse_settings
 from router.logs import JsonFormatter
 from router.server import auth
 from router.server.access_log import AccessLog
-from router.settings import ConfigError, parse_settings
 from tests.conftest import MODEL
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

@@ -202,7 +202,7 @@ def test_endpoint_weights_scale_the_load_each_endpoint_is_given() -> None:
 
 
 def test_a_composite_policy_without_its_block_is_a_config_error_naming_the_field() -> None:
-    from router.settings import ConfigError, parse_settings
+    from router.config.settings import ConfigError, parse_settings
 
     with pytest.raises(ConfigError, match=r"^policies\[0\]\.composite\.scorers: is required"):
         parse_settings({"endpoints": [{"id": "a", "url": "http://127.0.0.1:1", "models": ["m"]}],

@@ -235,7 +235,7 @@ async def test_one_client_cannot_fill_the_admin_listener_and_fail_the_probes(mak
 
 
 def test_the_admin_per_client_cap_is_configurable() -> None:
-    from router.settings import parse_settings
+    from router.config.settings import parse_settings
 
     assert parse_settings({}).admin.max_connections_per_client == 16
     assert parse_settings({"admin": {"maxConnectionsPerClient": 0}}).admin.max_connections_per_client == 0
@@ -268,7 +268,7 @@ def test_ipv6_clients_are_capped_per_64_and_ipv4_per_address() -> None:
     ],
 )
 def test_bad_connection_settings_are_named(listen, message) -> None:
-    from router.settings import ConfigError, parse_settings
+    from router.config.settings import ConfigError, parse_settings
 
     with pytest.raises(ConfigError) as info:
         parse_settings({"listen": listen})
@@ -276,7 +276,7 @@ def test_bad_connection_settings_are_named(listen, message) -> None:
 
 
 def test_client_timeouts_are_configured_under_limits_and_default_near_nginx() -> None:
-    from router.settings import ConfigError, parse_settings
+    from router.config.settings import ConfigError, parse_settings
 
     default = parse_settings({}).client_timeouts
     assert (default.header, default.body, default.keep_alive, default.write) == (30.0, 60.0, 75.0, 60.0)

@@ -16,11 +16,11 @@ from typing import Any
 import orjson
 import pytest
 
+from router.config.settings import ConfigError, parse_settings
 from router.cost import PART_TOKENS, CostModel, CostSettings, max_output_tokens, prompt_size
 from router.model import RequestInfo
 from router.output_tokens import OutputCounter
 from router.server.access_log import AccessLog
-from router.settings import ConfigError, parse_settings
 from tests.conftest import MODEL
 
 CHAT_PATH = "/v1/chat/completions"

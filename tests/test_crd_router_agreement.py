@@ -12,8 +12,8 @@ Every case says what both do: ACCEPT or REFUSE. The exceptions are listed with a
   field cannot hold; sizes bounded for the API server's CEL cost budget). These are few and documented in
   docs/kubernetes.md.
 
-The cases were found by walking the router's parser (router/settings.py `_policy`, `_health`, `_stickiness`,
-`_cost`, router/admission.py `parse_admission`, each strategy's `parse`, router/presets.py `expand`) refusal by
+The cases were found by walking the router's parser (router/config/settings.py `_policy`, `_health`, `_stickiness`,
+`_cost`, router/admission.py `parse_admission`, each strategy's `parse`, router/config/presets.py `expand`) refusal by
 refusal: each `raise` there has at least one REFUSE (or ROUTER_ONLY) case here.
 """
 
@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 import pytest
 import yaml
 
+from router.config.settings import ConfigError
 from router.control.spec import policy_from_spec
 from router.policies.registry import PolicyRegistry
-from router.settings import ConfigError
 from tests.fake_crd import FakeCRD
 from tests.fake_kube import FakeKube
 from tests.test_routing_policy_crd import KUBECTL, NS, MakeEngine, MakeRouter, condition, kubectl, start, until
@@ -332,7 +332,7 @@ def test_the_rules_that_assume_every_preset_agree_still_hold() -> None:
     """Two CEL rules apply with a preset too, because every preset agrees with the router's default there:
     no preset has a composite block, and every preset's admission classes are high, normal and low. A preset
     that breaks this would make those rules refuse specs the router accepts."""
-    from router import presets
+    from router.config import presets
 
     for name in presets.names():
         preset = presets.get(name)

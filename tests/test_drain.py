@@ -23,7 +23,7 @@ import orjson
 import pytest
 import yaml
 
-from router.settings import ConfigError, parse_settings
+from router.config.settings import ConfigError, parse_settings
 from tests.conftest import MODEL
 from tests.test_serve_process import free_port
 

@@ -34,12 +34,12 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
 
+from router.config.settings import parse_settings
 from router.gateway.protocol import SERVICE_NAME, address
 from router.gateway.server import RunningPicker, start_picker
 from router.model import EndpointState
 from router.server.access_log import AccessLog
 from router.server.app import build_context
-from router.settings import parse_settings
 from tests.conftest import MODEL, router_config
 from tests.fake_engine import FakeEngine
 

@@ -21,10 +21,10 @@ import orjson
 import pytest
 
 from router.admission import Pool
+from router.config.settings import parse_settings
 from router.model import RequestInfo
 from router.server.app import build_context
 from router.server.context import RouterContext
-from router.settings import parse_settings
 from tests.conftest import MODEL
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

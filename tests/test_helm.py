@@ -39,7 +39,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.settings import parse_settings
+from router.config.settings import parse_settings
 from tests.helm_chart import (  # noqa: F401 - helm and rendered are fixtures
     CHART,
     CHART_CRD,

@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from router.config.settings import ConfigError, parse_settings
 from router.server.app import ReloadRejected, RunningRouter, apply_settings
-from router.settings import ConfigError, parse_settings
 from tests.conftest import MODEL, router_config
 from tests.fake_engine import FakeEngine
 from tests.fake_kube import FakeKube, Recorded, endpoint_slice, pod, slice_endpoint

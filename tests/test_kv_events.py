@@ -14,11 +14,11 @@ import pytest
 from aiohttp import web
 
 from loadtest.host import free_port
+from router.config.settings import ConfigError, parse_settings
 from router.kv_events import Cleared, Rejected, Removed, Stored, decode_batch
 from router.policies.kv_block_index import KVBlockIndex, chain_keys, request_token_ids
 from router.server.app import RunningRouter, build_context, start_router
 from router.server.proxy import ENDPOINT_HEADER
-from router.settings import ConfigError, parse_settings
 from worker.sim.engine import EngineConfig, EngineCore
 from worker.sim.kv_events import KVEventsConfig
 from worker.sim.profiles import profile

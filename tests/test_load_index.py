@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from uhashring import HashRing
 
 from router.balancer import Balancer
+from router.config.settings import PolicySpec, parse_settings
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
 from router.model import Endpoint, EndpointView, RequestInfo
@@ -28,7 +29,6 @@ from router.policies.consistent_hash import MAX_BOUNDED_WALK, load_bound, ring_w
 from router.policies.load_index import MAX_SCALES, LoadIndex
 from router.policies.registry import PolicyRegistry
 from router.server.app import build_context
-from router.settings import PolicySpec, parse_settings
 
 PROPERTY = settings(max_examples=150, deadline=None, derandomize=True, database=None)
 

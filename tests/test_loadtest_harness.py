@@ -24,7 +24,7 @@ from loadtest.workload import (
     read_trace,
     token_text,
 )
-from router.settings import ConfigError
+from router.config.settings import ConfigError
 from worker.sim.tokenizer import render_chat, tokenize
 
 DATA = Path(__file__).parent / "data" / "traces"

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from router.config.settings import parse_settings
 from router.model import RequestInfo
 from router.server.app import build_context
 from router.server.context import RouterContext
-from router.settings import parse_settings
 
 MODELS = ("m-a", "m-b")
 

@@ -713,7 +713,7 @@ def test_least_prefill_has_no_imbalance_guard_unless_one_is_set() -> None:
 
 
 def test_config_errors_name_the_path_in_the_file() -> None:
-    from router.settings import ConfigError, parse_settings
+    from router.config.settings import ConfigError, parse_settings
 
     with pytest.raises(ConfigError) as info:
         parse_settings({"policies": [{"name": "p", "strategy": "prefix-aware",
@@ -841,8 +841,8 @@ FULL_PARAMS = {"selection": "least-prefill", "blockChars": 512, "maxBlocks": 32,
     pytest.param({"tuning": {"step": 2}}, "('step' was unexpected)", id="unknown tuning fields are refused"),
 ])
 def test_the_crd_schema_accepts_what_the_router_does(params: dict[str, Any], error: str | None) -> None:
+    from router.config.settings import _policy
     from router.policies.registry import PolicyRegistry
-    from router.settings import _policy
     from tests.fake_crd import FakeCRD
 
     obj = {"apiVersion": "fleetroute.io/v1alpha1", "kind": "RoutingPolicy",

@@ -1,4 +1,4 @@
-"""Scenario presets (router/presets.py): each expands to a policy the router accepts and that keeps the
+"""Scenario presets (router/config/presets.py): each expands to a policy the router accepts and that keeps the
 promises its documentation makes; fields written beside `preset` override it by the documented rules; bad
 names are errors naming the field; and, through a real router, each preset behaves as described.
 
@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
-from router import presets
+from router.config import presets
+from router.config.settings import ConfigError, PolicySpec, parse_settings
 from router.server.app import apply_settings
-from router.settings import ConfigError, PolicySpec, parse_settings
 from tests.conftest import MODEL
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,10 +25,10 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.config.settings import parse_settings
 from router.policies.kv_block_index import chain_keys
 from router.server.access_log import AccessLog
 from router.server.app import RunningRouter, build_context, start_router
-from router.settings import parse_settings
 from tests.real_vllm import (
     MAX_NUM_SEQS,
     SERVED_MODEL,

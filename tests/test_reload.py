@@ -9,8 +9,8 @@ import signal
 
 import yaml
 
+from router.config.settings import parse_settings
 from router.server.app import apply_settings, reload_from
-from router.settings import parse_settings
 from tests.conftest import MODEL, router_config
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

@@ -267,7 +267,7 @@ def _at(t: Telemetry, now: float) -> Telemetry:
     ],
 )
 def test_bad_resilience_config_is_named(block, message) -> None:
-    from router.settings import ConfigError, parse_settings
+    from router.config.settings import ConfigError, parse_settings
 
     with pytest.raises(ConfigError) as info:
         parse_settings({"policies": [{"name": "p", "strategy": "round-robin", **block}]})

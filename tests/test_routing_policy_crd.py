@@ -86,14 +86,14 @@ def condition(kube: FakeKube, name: str, kind: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_the_examples_pass_the_crd_schema_and_the_router(path: Path) -> None:
+    from router.config.settings import _policy
     from router.policies.registry import PolicyRegistry
-    from router.settings import _policy
 
     obj = yaml.safe_load(path.read_text())
     assert FakeCRD().admit(obj) == []
     spec = {k: v for k, v in obj["spec"].items() if k != "priority"}  # defaulted by the schema
     parsed = _policy("spec", {**spec, "name": obj["metadata"]["name"]}, PolicyRegistry())
-    from router.presets import PRESETS
+    from router.config.presets import PRESETS
 
     # The examples named like a preset build on it; the others spell their policy out.
     assert parsed.preset == (path.stem if path.stem in PRESETS else None)
@@ -160,7 +160,7 @@ async def test_defaults_status_subresource_and_generation(kube: FakeKube, http: 
 
 
 def _file_policy(name: str, **entry: Any) -> Any:
-    from router.settings import parse_settings
+    from router.config.settings import parse_settings
 
     (spec,) = parse_settings({"policies": [{"name": name, **entry}]}).policies
     return spec
@@ -168,15 +168,15 @@ def _file_policy(name: str, **entry: Any) -> Any:
 
 def _spec_policy(obj: dict[str, Any]) -> Any:
     """What the controller makes of an admitted object's spec (RoutingPolicyController._judge)."""
+    from router.config.settings import _policy
     from router.policies.registry import PolicyRegistry
-    from router.settings import _policy
 
     spec = {k: v for k, v in obj["spec"].items() if k != "priority"}
     return _policy("spec", {**spec, "name": obj["metadata"]["name"]}, PolicyRegistry())
 
 
 def test_the_crd_offers_exactly_the_routers_presets() -> None:
-    from router import presets
+    from router.config import presets
 
     spec = FakeCRD().schema["properties"]["spec"]
     assert spec["properties"]["preset"]["enum"] == list(presets.names())
@@ -193,7 +193,7 @@ def test_the_crd_offers_exactly_the_routers_presets() -> None:
 
 @pytest.mark.parametrize("name", ["realtime-chat", "batch-generation", "rag-search"])
 def test_every_preset_is_a_valid_routing_policy_and_the_same_policy_as_in_the_file(name: str) -> None:
-    from router import presets
+    from router.config import presets
     from router.policies.registry import PolicyRegistry
 
     crd = FakeCRD()
@@ -233,7 +233,7 @@ CEL_CASES = [
 
 @pytest.mark.parametrize(("spec", "accepted"), CEL_CASES, ids=lambda v: json.dumps(v) if isinstance(v, dict) else None)
 def test_the_cel_rules_never_refuse_what_the_router_accepts(spec: dict[str, Any], accepted: bool) -> None:
-    from router.settings import ConfigError
+    from router.config.settings import ConfigError
 
     obj = policy("p", **copy.deepcopy(spec))
     admitted = FakeCRD().admit(obj) == []
@@ -276,7 +276,7 @@ async def test_preset_routing_policies_route_as_the_same_file_policies(
 
 
 def _expanded(name: str) -> dict[str, Any]:
-    from router import presets
+    from router.config import presets
     from router.policies.registry import PolicyRegistry
 
     blocks = {p.name: p.config_key for p in PolicyRegistry().all()}
@@ -625,7 +625,7 @@ async def test_file_policies_match_first_unless_overriding_is_delegated(
 
 
 def test_delegation_settings_are_validated() -> None:
-    from router.settings import ConfigError, parse_settings
+    from router.config.settings import ConfigError, parse_settings
 
     def control(**fields: Any) -> Any:
         return parse_settings({"control": {"kubernetes": fields}}).control.kubernetes  # type: ignore[union-attr]
@@ -693,9 +693,9 @@ async def test_classes_with_priorities_rank_the_same_in_a_file_and_a_routing_pol
     server's JSON (which stores custom resources with their keys sorted) for the RoutingPolicy."""
     import random
 
+    from router.config.settings import load_settings
     from router.control.spec import policy_from_spec
     from router.policies.registry import PolicyRegistry
-    from router.settings import load_settings
 
     classes = {"high": {"priority": 100, "deadline": "5s"}, "normal": {"priority": 50},
                "low": {"priority": 0, "deadline": "2m"}, "batch": {"priority": -10}}

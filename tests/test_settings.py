@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from router.settings import ConfigError, Settings, load_settings, parse_duration, parse_settings
+from router.config.settings import ConfigError, Settings, load_settings, parse_duration, parse_settings
 
 GOOD: dict[str, Any] = {
     "listen": {"host": "0.0.0.0", "port": 8080},
@@ -273,14 +273,14 @@ def test_a_variable_name_or_file_path_is_shown_once_it_proves_to_be_one(tmp_path
     ],
 )
 def test_redact_url_hides_userinfo_only(text: str, shown: str) -> None:
-    from router.redaction import redact_url
+    from router.config.redaction import redact_url
 
     assert redact_url(text) == shown
 
 
 def test_the_help_names_the_builtin_policy_as_the_code_does() -> None:
     from router.cli import ROUTER_EPILOG
-    from router.settings import FALLBACK_POLICY
+    from router.config.settings import FALLBACK_POLICY
 
     assert f'the built-in "{FALLBACK_POLICY}"' in ROUTER_EPILOG and 'built-in "default"' not in ROUTER_EPILOG
 

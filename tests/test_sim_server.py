@@ -12,8 +12,8 @@ import aiohttp
 import openai
 import pytest
 
+from router.config.settings import parse_settings
 from router.server.app import build_context, start_router
-from router.settings import parse_settings
 from tests.sim_server import MODEL
 from worker.sim.tokenizer import render_chat, tokenize
 from worker.vllm_metrics import parse_vllm_metrics

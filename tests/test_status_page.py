@@ -415,8 +415,8 @@ async def test_the_feed_reports_admission_queues_of_a_capped_model(
 
 
 def test_the_status_page_routes_are_registered_on_the_admin_app_only() -> None:
+    from router.config.settings import parse_settings
     from router.server.app import build_apps, build_context
-    from router.settings import parse_settings
 
     ingress, admin = build_apps(build_context(parse_settings({"redis": {"url": None}})))
     paths = {r.resource.canonical for r in admin.router.routes() if r.resource is not None}

@@ -154,7 +154,7 @@ async def test_replicas_share_in_flight_counts_through_redis(make_engine, make_r
     ],
 )
 def test_bad_stickiness_config_is_named(block, message) -> None:
-    from router.settings import ConfigError, parse_settings
+    from router.config.settings import ConfigError, parse_settings
 
     with pytest.raises(ConfigError) as info:
         parse_settings({"policies": [{"name": "p", "strategy": "round-robin", "stickiness": block}]})

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from router.config.settings import ConfigError, parse_settings
 from router.server import auth
-from router.settings import ConfigError, parse_settings
 from router.tenants import DEFAULT_TENANT, TenancySettings, Tenant
 from tests.conftest import MODEL
 

@@ -17,10 +17,10 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from router.config.settings import ConfigError, parse_settings
 from router.server.access_log import AccessLog
 from router.server.app import RunningRouter, build_context, start_router
 from router.server.tracing import NO_TRACE
-from router.settings import ConfigError, parse_settings
 from tests.conftest import MODEL, router_config
 from tests.fake_engine import FakeEngine
 from tests.otlp_receiver import Receiver, otlp_receiver
@@ -365,7 +365,7 @@ def test_off_the_tracing_sdk_is_never_imported() -> None:
     import sys
 
     code = ("import sys, redis; before = {m for m in sys.modules if m.startswith('opentelemetry')}; "
-            "import router.server.app, router.server.handlers, router.cli; from router.settings import parse_settings; "
+            "import router.server.app, router.server.handlers, router.cli; from router.config.settings import parse_settings; "
             "parse_settings({'tracing': {'enabled': False}}); "
             "after = {m for m in sys.modules if m.startswith('opentelemetry')}; "
             "print(sorted(after - before), sorted(m for m in after if m.startswith(('opentelemetry.sdk.trace', "

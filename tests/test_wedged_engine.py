@@ -14,10 +14,10 @@ import time
 import orjson
 import pytest
 
+from router.config.settings import FALLBACK_POLICY, ConfigError, parse_settings
 from router.health.stall import StallDetector, StallSettings
 from router.server.app import health_round
 from router.server.rescue import stall_round
-from router.settings import FALLBACK_POLICY, ConfigError, parse_settings
 from tests.conftest import MODEL
 from tests.test_resilience import Clock, metric
 

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from redis.exceptions import RedisError
 
-from router.redaction import redact_url
+from router.config.redaction import redact_url
 from worker.collect import EngineCollector, GpuSampler, SimGpuSampler
 from worker.node_gpu import NodeGpuReader, merge
 from worker.publisher import RedisPublisher
@@ -218,8 +218,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def main(args: argparse.Namespace) -> int:
     from router.cli import run_event_loop
+    from router.config.settings import ConfigError, parse_duration
     from router.logs import configure_logging
-    from router.settings import ConfigError, parse_duration
 
     def fail(message: str) -> int:
         print(f"fleetroute agent: error: {message}", file=sys.stderr)
@@ -252,7 +252,7 @@ _REDIS_FLAGS = {
 
 def redis_settings(args: argparse.Namespace) -> RedisSettings:
     """The --redis* flags through the router's own `redis:` parser; raises ConfigError naming the flag."""
-    from router.settings import ConfigError, parse_redis
+    from router.config.settings import ConfigError, parse_redis
 
     block: dict[str, object] = {}
     sentinel: dict[str, object] = {}

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import aiohttp
 
-from router.redaction import redact_url
+from router.config.redaction import redact_url
 from worker.protocol import EngineSample, GpuSample, TelemetryRecord
 from worker.vllm_metrics import parse_vllm_metrics
 

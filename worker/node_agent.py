@@ -39,7 +39,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from router.redaction import redact_url
+from router.config.redaction import redact_url
 from worker.agent import add_redis_arguments, http_url_problem, redis_settings
 from worker.node_metrics import NodeAgentMetrics
 from worker.node_sources import (
@@ -283,8 +283,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def main(args: argparse.Namespace) -> int:
     from router.cli import run_event_loop
+    from router.config.settings import ConfigError, parse_duration
     from router.logs import configure_logging
-    from router.settings import ConfigError, parse_duration
 
     def fail(message: str) -> int:
         print(f"fleetroute node-agent: error: {message}", file=sys.stderr)

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 
-from router.redaction import redact_url
+from router.config.redaction import redact_url
 from worker.dcgm_metrics import parse_dcgm_metrics
 from worker.protocol import GpuSample
 

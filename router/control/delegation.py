@@ -26,8 +26,8 @@ import fnmatch
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from router.config.settings import PolicySpec
 from router.control import KubernetesControlSettings
-from router.settings import PolicySpec
 
 _GLOB = frozenset("*?[")
 

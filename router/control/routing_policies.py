@@ -7,7 +7,7 @@ effect stay as they are (the last good set) and the failure is counted and logge
 
 **Conversion.** Each object's spec goes through the config file's policy parser (router.control.spec), with
 `name` set to the object's name and `priority` taken out: a RoutingPolicy spec is exactly one `policies:`
-entry, `preset` included (router/presets.py expands it inside the parser, so a preset-based spec and the
+entry, `preset` included (router/config/presets.py expands it inside the parser, so a preset-based spec and the
 same file entry give the same PolicySpec). A spec the parser refuses (it passed the CRD schema but not the
 router's checks: a preset's values the API server could not see) is not applied: the previous good version
 of that policy stays in effect, or none if there never was one.
@@ -51,6 +51,7 @@ from kubernetes.aio import client, config
 from kubernetes.aio.client.exceptions import ApiException
 from prometheus_client import Counter, Gauge
 
+from router.config.settings import ConfigError, PolicySpec, Settings
 from router.control import KubernetesControlSettings
 from router.control.delegation import REASONS, Refusal, check, file_conflict
 from router.control.spec import policy_from_spec
@@ -58,7 +59,6 @@ from router.discovery.kubernetes import _describe, _status_message, configure_cl
 from router.progress import Progress
 from router.server.app import sync_health_checks, sync_sticky_tables
 from router.server.context import RouterContext
-from router.settings import ConfigError, PolicySpec, Settings
 
 log = logging.getLogger("fleetroute.control")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from router.config.settings import PolicySpec, _policy
 from router.policies.registry import PolicyRegistry
-from router.settings import PolicySpec, _policy
 
 
 def policy_from_spec(name: str, spec: Mapping[str, Any], registry: PolicyRegistry) -> tuple[int, PolicySpec]:

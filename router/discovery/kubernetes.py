@@ -81,10 +81,10 @@ from kubernetes.aio import client, config, watch
 from kubernetes.aio.client.exceptions import ApiException
 
 from router.balancer import Balancer
+from router.config.settings import ConfigError, KubernetesDiscoverySettings
 from router.metrics import RouterMetrics
 from router.model import Endpoint, EndpointState
 from router.progress import Progress
-from router.settings import ConfigError, KubernetesDiscoverySettings
 
 log = logging.getLogger("fleetroute.discovery")
 

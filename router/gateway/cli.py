@@ -52,9 +52,9 @@ def _run(args: argparse.Namespace) -> int:
     import os
     import sys
 
+    from router.config.settings import ConfigError, load_settings
     from router.logs import configure_logging
     from router.server.app import build_context
-    from router.settings import ConfigError, load_settings
 
     try:
         from router.gateway.server import serve

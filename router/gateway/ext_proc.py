@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 
+from router.config.settings import PolicySpec
 from router.errors import error_response
 from router.gateway import protocol
 from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
@@ -49,7 +50,6 @@ from router.server.route import (
     session_pin,
     unknown_model,
 )
-from router.settings import PolicySpec
 
 log = logging.getLogger("fleetroute.epp")
 

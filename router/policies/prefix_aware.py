@@ -80,7 +80,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from router.durations import parse_duration
+from router.config.durations import parse_duration
 from router.model import EndpointView, RequestInfo
 from router.policies.base import (
     DecisionTrace,

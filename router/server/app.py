@@ -25,6 +25,7 @@ from router.admission import Admission
 from router.background import contained
 from router.balancer import Balancer
 from router.budgets import Budgets
+from router.config.settings import FALLBACK_POLICY, Settings
 from router.errors import SERVER_NAME
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
@@ -53,7 +54,6 @@ from router.server.rescue import release_excluded, run_stall_checks
 from router.server.status.page import add_status_page
 from router.server.status.sessions import BrowserSessions
 from router.server.tracing import Tracing, TracingSettings, build_tracing
-from router.settings import FALLBACK_POLICY, Settings
 from router.shared_loads import SharedLoads, replica_id
 from router.sticky import StickyTable
 from router.telemetry import EmbeddedCollection, MemoryStore, RedisStore, TelemetryFeed, run_feed
@@ -595,7 +595,7 @@ async def start_router(ctx: RouterContext, *, reuse_port: bool = False) -> Runni
 
 def reload_from(ctx: RouterContext, path: str) -> None:
     """SIGHUP: re-read the config file; apply it if valid, else keep the running configuration."""
-    from router.settings import ConfigError, load_settings
+    from router.config.settings import ConfigError, load_settings
 
     try:
         new = load_settings(path)

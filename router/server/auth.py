@@ -52,9 +52,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
+from router.config.settings import NOT_SHOWN, ConfigError, Fields, _show
 from router.errors import error_response
 from router.metrics import RouterMetrics
-from router.settings import NOT_SHOWN, ConfigError, Fields, _show
 from router.tenants import DEFAULT_TENANT, KEY_TENANT
 
 ADMIN_TOKEN_ENV = "FLEETROUTE_ADMIN_TOKEN"

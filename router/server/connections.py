@@ -54,11 +54,11 @@ from aiohttp import StreamReader, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
+from router.config.settings import Address, ClientTimeouts
 from router.errors import SERVER_NAME, error_response
 from router.logs import RateLimitedLog
 from router.metrics import RouterMetrics
 from router.server.forwarding import Forwarding, parse_ip
-from router.settings import Address, ClientTimeouts
 
 log = logging.getLogger("fleetroute.connections")
 

@@ -20,6 +20,7 @@ from aiohttp import web
 from router.admission import Admission
 from router.balancer import Balancer
 from router.budgets import Budgets
+from router.config.settings import Settings
 from router.cost import CostModel
 from router.departures import EndpointStateOwner
 from router.health.stall import StallDetector
@@ -35,7 +36,6 @@ from router.server.forwarding import Forwarding
 from router.server.proxy import Proxy
 from router.server.status.history import StatusHistory
 from router.server.tracing import Tracing
-from router.settings import Settings
 from router.shared_loads import SharedLoads
 from router.sticky import StickyTable
 from router.telemetry import EmbeddedCollection, TelemetryFeed

@@ -47,9 +47,9 @@ from typing import Any
 
 import orjson
 
+from router.config.settings import Fields
 from router.metrics import RouterMetrics
 from router.policies.base import DecisionTrace
-from router.settings import Fields
 
 log = logging.getLogger("fleetroute.decisions")
 

@@ -23,7 +23,7 @@ import ipaddress
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.settings import IPNetwork
+from router.config.settings import IPNetwork
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 FORWARDING_HEADERS = ("X-Forwarded-For", "X-Forwarded-Proto", "X-Forwarded-Host", "X-Forwarded-Port", "Forwarded",

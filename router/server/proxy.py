@@ -50,6 +50,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from router.config.settings import ClientTimeouts, Timeouts
 from router.errors import clip, error_response
 from router.health.stall import StallDetector, Waiter
 from router.loads import LoadTracker
@@ -60,7 +61,6 @@ from router.output_tokens import OutputCount, OutputCounter
 from router.prefill import Prefill
 from router.server.explain import EXPLAIN_HEADER
 from router.server.forwarding import Forwarding
-from router.settings import ClientTimeouts, Timeouts
 
 if TYPE_CHECKING:
     from aiohttp.client_proto import ResponseHandler

@@ -18,13 +18,13 @@ from typing import Any
 
 from aiohttp import web
 
+from router.config.settings import PolicySpec
 from router.cost import CostEstimate, CostSettings
 from router.errors import clip, error_response
 from router.model import EndpointView, RequestInfo
 from router.policies.base import DecisionTrace
 from router.policies.consistent_hash import load_bound
 from router.server.context import RouterContext
-from router.settings import PolicySpec
 from router.sticky import StickyTable
 from router.tenants import Tenant
 

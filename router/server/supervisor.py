@@ -21,7 +21,7 @@ import tempfile
 import time
 from multiprocessing.connection import wait
 
-from router.settings import Settings
+from router.config.settings import Settings
 
 log = logging.getLogger("fleetroute.workers")
 

@@ -38,10 +38,10 @@ import orjson
 from aiohttp import web
 
 from router.background import contained
+from router.config.redaction import redact_url
 from router.errors import clip, error_response
 from router.logs import RateLimitedLog
 from router.model import EndpointState
-from router.redaction import redact_url
 from router.server.auth import is_admin_token
 from router.server.context import CONTEXT, RouterContext
 from router.server.explain import Decision, summarise

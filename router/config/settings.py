@@ -24,9 +24,10 @@ from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 import yaml
 from redis.asyncio.connection import parse_url as parse_redis_url
 
-from router import presets
+from router.config import presets
+from router.config.durations import parse_duration
+from router.config.redaction import redact_url
 from router.cost import CHARS_PER_TOKEN_RANGE, CostSettings
-from router.durations import parse_duration
 from router.health.active import ActiveHealthSettings
 from router.health.breaker import BreakerSettings
 from router.health.outlier import OutlierSettings
@@ -37,7 +38,6 @@ from router.model import Endpoint
 from router.policies.base import PolicyConfigError
 from router.policies.consistent_hash import HashKey, parse_key
 from router.policies.registry import PolicyRegistry
-from router.redaction import redact_url
 from router.redis_client import RedisSettings, SentinelSettings
 from router.sticky import StickinessSettings
 
@@ -140,7 +140,7 @@ class PolicySpec:
     health: HealthSettings = HealthSettings()
     admission: AdmissionSettings | None = None  # router.admission; None or no cap: admission off
     cost: CostSettings | None = None  # router.cost: request cost estimates; None: none are made
-    # The preset the entry was expanded from (router.presets), or None. Where the settings came from, not
+    # The preset the entry was expanded from (router.config.presets), or None. Where the settings came from, not
     # what they are: two specs that route alike are equal whether written out or from a preset.
     preset: str | None = field(default=None, compare=False)
 
@@ -341,7 +341,7 @@ def _show(value: Any, *, key: str = "") -> str:
 
 
 def _redacted(value: Any) -> Any:
-    """`value` with the credentials of every URL in it hidden (router/redaction.py), nested ones included."""
+    """`value` with the credentials of every URL in it hidden (router/config/redaction.py), nested ones included."""
     if isinstance(value, str):
         return redact_url(value)
     if isinstance(value, list | tuple):
@@ -419,7 +419,7 @@ def _endpoint(path: str, raw: Any) -> Endpoint:
 
 
 def expand_policy(path: str, raw: Any, registry: PolicyRegistry) -> tuple[Any, str | None]:
-    """A policy entry with its `preset` expanded (router/presets.py), and the preset's name; an entry
+    """A policy entry with its `preset` expanded (router/config/presets.py), and the preset's name; an entry
     without one as it is, and None."""
     if not isinstance(raw, Mapping) or "preset" not in raw:
         return raw, None

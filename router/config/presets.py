@@ -25,7 +25,7 @@ every check and error message is the one the parser gives for a hand-written ent
   new one (if it has any) still applies. Blocks the operator writes are never dropped: they are validated
   as always.
 
-This module is pure data and pure functions: no I/O, no clock, no state. router/settings.py calls
+This module is pure data and pure functions: no I/O, no clock, no state. router/config/settings.py calls
 `expand` for each policy entry and reports a `PresetError` with the entry's path.
 """
 
