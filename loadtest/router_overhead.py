@@ -92,7 +92,7 @@ end
 ASYNCIO_ROUTER = (
     "import asyncio, sys\n"
     "from router.config.settings import load_settings\n"
-    "from router.logs import configure_logging\n"
+    "from router.runtime.logs import configure_logging\n"
     "from router.server.app import serve\n"
     "s = load_settings(sys.argv[1])\n"
     "configure_logging(s.log_level)\n"

@@ -82,10 +82,10 @@ from aiohttp import web
 
 from router.balancer import Balancer
 from router.config.settings import ConfigError, Fields, PolicySpec, _show
-from router.errors import error_response
 from router.fair_queue import FairClass
 from router.loads import LoadTracker
-from router.metrics import RouterMetrics
+from router.runtime.errors import error_response
+from router.runtime.metrics import RouterMetrics
 from router.tenants import DEFAULT_TENANT, TenancySettings
 
 log = logging.getLogger("fleetroute.admission")

@@ -29,10 +29,10 @@ from router.departures import Departures
 from router.health.gpu import GpuHealth
 from router.health.pool import PoolHealth
 from router.loads import LoadTracker
-from router.metrics import RouterMetrics
 from router.model import Endpoint, EndpointState, EndpointView, RequestInfo, Snapshot, Telemetry
 from router.policies.base import MAX_LISTED, DecisionTrace, Picker
 from router.policies.registry import PolicyRegistry
+from router.runtime.metrics import RouterMetrics
 from router.sticky import within_load_bound
 
 log = logging.getLogger("fleetroute.balancer")

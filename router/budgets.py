@@ -55,11 +55,11 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from router.errors import error_response
-from router.logs import RateLimitedLog
-from router.metrics import RouterMetrics
-from router.redis_client import RedisClient
-from router.redis_input import Rejected, RejectionLog
+from router.runtime.errors import error_response
+from router.runtime.logs import RateLimitedLog
+from router.runtime.metrics import RouterMetrics
+from router.runtime.redis_client import RedisClient
+from router.runtime.redis_input import Rejected, RejectionLog
 from router.tenants import TenancySettings, Tenant
 
 log = logging.getLogger("fleetroute.budgets")

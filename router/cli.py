@@ -197,7 +197,7 @@ def _router(args: argparse.Namespace) -> int:
     import os
 
     from router.config.settings import ConfigError, load_settings
-    from router.logs import HeldRecords, configure_logging
+    from router.runtime.logs import HeldRecords, configure_logging
 
     if args.show_preset is not None:
         from router.config import presets

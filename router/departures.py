@@ -37,8 +37,8 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from router.loads import LoadTracker
-from router.metrics import RouterMetrics
-from router.progress import Progress
+from router.runtime.metrics import RouterMetrics
+from router.runtime.progress import Progress
 
 log = logging.getLogger("fleetroute.departures")
 

@@ -50,11 +50,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from router.background import contained
 from router.config.settings import ConfigError, Fields
-from router.metrics import RouterMetrics
 from router.model import Endpoint
 from router.policies.kv_block_index import DEFAULT_MAX_BLOCKS, KVBlockIndex
+from router.runtime.background import contained
+from router.runtime.metrics import RouterMetrics
 
 log = logging.getLogger("fleetroute.kv_events")
 

@@ -29,10 +29,10 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from router.metrics import RouterMetrics
 from router.model import EndpointView
 from router.policies.load_index import LoadIndex
 from router.prefill import Prefill, PrefillBook
+from router.runtime.metrics import RouterMetrics
 
 # The mean request cost is exact over the first requests, then an EWMA over about this many.
 MEAN_COST_WINDOW = 256

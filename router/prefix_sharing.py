@@ -29,7 +29,7 @@ bounded amount (MAXLEN) applied MERGE_BUDGET hashes per round. Entries older tha
 an outage, say) are skipped and counted as expired; blocks for endpoints this router does not know are
 ignored (a bound on what garbage in the stream can cost).
 
-Entries are untrusted (router/redis_input.py): `entry_blocks` admits one only if it is at most
+Entries are untrusted (router/runtime/redis_input.py): `entry_blocks` admits one only if it is at most
 MAX_ENTRY_BYTES with at most ENTRY_HASHES blocks in whole 8-byte hashes, names printable endpoint ids, and
 its id is not dated past the server's time by more than FUTURE_ALLOWANCE; anything else is counted in
 `fleetroute_redis_rejected_values_total{data="prefix_entry"}` and skipped without being unpacked. The merge
@@ -61,10 +61,10 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from router.metrics import RouterMetrics
 from router.policies.prefix_index import PrefixIndex
-from router.redis_client import RedisClient
-from router.redis_input import Rejected, RejectionLog, text
+from router.runtime.metrics import RouterMetrics
+from router.runtime.redis_client import RedisClient
+from router.runtime.redis_input import Rejected, RejectionLog, text
 
 log = logging.getLogger("fleetroute.prefix_sharing")
 
@@ -170,7 +170,7 @@ class PrefixSharing:
         base_delay: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._redis = redis  # binary, as every client (router/redis_client.py): hashes travel packed
+        self._redis = redis  # binary, as every client (router/runtime/redis_client.py): hashes travel packed
         self.router_id = router_id
         self._router = router_id.encode()
         self._metrics = metrics

@@ -25,15 +25,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.background import contained
 from router.balancer import Balancer
 from router.config.settings import PolicySpec
-from router.metrics import RouterMetrics
 from router.policies.kv_block_index import KVBlockIndex
 from router.policies.prefix_aware import PrefixAwareConfig
 from router.policies.prefix_index import PrefixIndex
 from router.policies.prefix_tuning import WindowResult, tune
 from router.prefix_sharing import PrefixSharing, SharedPool, stream_key
+from router.runtime.background import contained
+from router.runtime.metrics import RouterMetrics
 
 log = logging.getLogger("fleetroute.prefix")
 

@@ -10,7 +10,7 @@ counted and logged once, and the next interval tries again.
 
 The write is one MULTI over two keys, so both carry the hash tag `{loads}` and share a Redis Cluster slot.
 
-What other replicas wrote is untrusted (router/redis_input.py): the replica list is read newest first and
+What other replicas wrote is untrusted (router/runtime/redis_input.py): the replica list is read newest first and
 at most MAX_REPLICAS long (`live_replicas`); a replica's hash (HGETALL: it holds only the endpoints with
 requests in flight, so it is small) is dropped whole beyond MAX_ENDPOINTS fields, counts for endpoints this
 router does not route to are ignored, and each count must be a decimal in [0, MAX_IN_FLIGHT]
@@ -30,9 +30,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from redis.exceptions import RedisError, ResponseError
 
 from router.loads import LoadTracker
-from router.metrics import RouterMetrics
-from router.redis_client import RedisClient
-from router.redis_input import MAX_CLOCK_SKEW, Rejected, RejectionLog, bounded_int, text
+from router.runtime.metrics import RouterMetrics
+from router.runtime.redis_client import RedisClient
+from router.runtime.redis_input import MAX_CLOCK_SKEW, Rejected, RejectionLog, bounded_int, text
 
 log = logging.getLogger("fleetroute.shared_loads")
 

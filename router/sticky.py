@@ -18,7 +18,7 @@ The session key is client input of any length (a `user` field may be megabytes).
 Redis hold a client's identifier. Pins written before this format (keyed by the raw session) are simply not
 found after an upgrade: their sessions are re-pinned once, and the old keys expire with their TTL.
 
-A pin read from Redis is untrusted (router/redis_input.py): it is read with GETRANGE, so at most
+A pin read from Redis is untrusted (router/runtime/redis_input.py): it is read with GETRANGE, so at most
 MAX_PIN_BYTES + 1 bytes come back whatever the key holds, and `pinned_endpoint` admits it only as printable
 UTF-8 of at most MAX_PIN_BYTES; a bad value (or a key of another type) is counted in
 `fleetroute_redis_rejected_values_total{data="sticky_pin"}` and the session is pinned afresh, as if it had
@@ -38,12 +38,12 @@ from dataclasses import dataclass
 
 from redis.exceptions import RedisError, ResponseError
 
-from router.metrics import RouterMetrics
 from router.model import EndpointView, RequestInfo
 from router.policies.base import LoadView
 from router.policies.consistent_hash import HashKey
-from router.redis_client import RedisClient
-from router.redis_input import Rejected, RejectionLog, text
+from router.runtime.metrics import RouterMetrics
+from router.runtime.redis_client import RedisClient
+from router.runtime.redis_input import Rejected, RejectionLog, text
 
 log = logging.getLogger("fleetroute.sticky")
 

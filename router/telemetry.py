@@ -11,7 +11,7 @@ Two stores with one interface (`read(ids) -> {id: hash fields}`), both holding `
   `gpuSource: sim`), through the same collector code the agent uses.
 
 `TelemetryFeed.refresh` joins records to known endpoints by id, admits each through `admit_record` (the
-trust boundary: sizes, schema, ranges, timestamps; router/redis_input.py), converts the reporter's
+trust boundary: sizes, schema, ranges, timestamps; router/runtime/redis_input.py), converts the reporter's
 wall-clock time to the router's monotonic clock, and has the balancer apply the round once
 (`refresh_telemetry`: a full rebuild only when GPU health may have changed). A refused record is counted
 by reason and logged (a schema version once per endpoint, the rest at most once a minute per reason) and
@@ -34,13 +34,13 @@ import aiohttp
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
-from router.background import contained
 from router.balancer import Balancer
 from router.config.settings import TelemetrySettings
-from router.metrics import RouterMetrics
 from router.model import Endpoint, Telemetry
-from router.redis_client import RedisClient
-from router.redis_input import MAX_CLOCK_SKEW, Rejected, RejectionLog, text
+from router.runtime.background import contained
+from router.runtime.metrics import RouterMetrics
+from router.runtime.redis_client import RedisClient
+from router.runtime.redis_input import MAX_CLOCK_SKEW, Rejected, RejectionLog, text
 from worker.collect import EngineCollector, SimGpuSampler
 from worker.protocol import (
     FIELD_NAMES,
@@ -84,7 +84,7 @@ class MemoryStore:
 
 class RedisStore:
     """Reads each endpoint's hash (HGETALL, pipelined; on a Redis Cluster the pipeline is split by node).
-    The client comes from router.redis_client.connect: binary, so `admit_record` sees the bytes and bounds
+    The client comes from router.runtime.redis_client.connect: binary, so `admit_record` sees the bytes and bounds
     them before anything is decoded. (HMGET of the schema's fields would bound the field count on the wire
     too, but packing its ~30 arguments per endpoint made every refresh markedly dearer, and one value can be
     512 MB either way; `admit_record` refuses a record with more than MAX_FIELDS fields.)"""
@@ -156,7 +156,7 @@ def admit_record(endpoint_id: str, raw: RawRecord, *, wall_now: float) -> Teleme
 
 def _texts(raw: Mapping[bytes, bytes]) -> dict[str, str]:
     """Every field name and value as printable UTF-8 of at most MAX_VALUE_BYTES, sizes checked before
-    anything is decoded (router.redis_input.text, with a fast path for the printable ASCII agents write:
+    anything is decoded (router.runtime.redis_input.text, with a fast path for the printable ASCII agents write:
     this runs for every field of every endpoint every refresh)."""
     if len(raw) > MAX_FIELDS:
         raise Rejected("oversize", f"the record has {len(raw)} fields, at most {MAX_FIELDS} expected")

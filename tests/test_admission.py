@@ -20,8 +20,8 @@ import pytest
 
 from router.admission import AdmissionSettings, Pool, PriorityClass
 from router.config.settings import ConfigError, parse_settings
-from router.logs import JsonFormatter
 from router.model import EndpointState, RequestInfo
+from router.runtime.logs import JsonFormatter
 from router.server.app import build_context
 from router.server.context import RouterContext
 from tests.conftest import MODEL
@@ -755,7 +755,7 @@ async def test_the_router_logs_the_deprecation_warning_as_json_like_every_other_
 
 
 def test_held_records_go_through_the_configured_level(capsys) -> None:
-    from router.logs import HeldRecords, configure_logging
+    from router.runtime.logs import HeldRecords, configure_logging
 
     root = logging.getLogger()
     saved = root.handlers[:], root.level

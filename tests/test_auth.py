@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from router.config.settings import ConfigError, parse_settings
-from router.logs import JsonFormatter
+from router.runtime.logs import JsonFormatter
 from router.server import auth
 from router.server.access_log import AccessLog
 from tests.conftest import MODEL

@@ -22,9 +22,9 @@ import redis.asyncio as aioredis
 
 from router.budgets import Budgets, budget_keys, check_reply, openai_duration
 from router.config.settings import parse_settings
-from router.metrics import RouterMetrics
-from router.redis_client import RedisSettings, connect
-from router.redis_input import Rejected
+from router.runtime.metrics import RouterMetrics
+from router.runtime.redis_client import RedisSettings, connect
+from router.runtime.redis_input import Rejected
 from router.server.app import RunningRouter, build_context, start_router
 from router.tenants import TenancySettings, Tenant
 from tests.conftest import MODEL, router_config

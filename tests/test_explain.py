@@ -15,8 +15,8 @@ import orjson
 import pytest
 
 from router.config.settings import ConfigError, parse_settings
-from router.logs import JsonFormatter
 from router.model import Endpoint, EndpointState
+from router.runtime.logs import JsonFormatter
 from router.server.app import apply_settings
 from router.server.explain import DECISION_ID_HEADER, EXPLAIN_HEADER, EXPLANATION_HEADER, MAX_HEADER_BYTES
 from tests.conftest import MODEL, router_config

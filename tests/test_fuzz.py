@@ -374,7 +374,7 @@ class RedisTarget(Target):
 
 @pytest.fixture
 async def redis_target(make_engine, make_router, http, redis_url) -> Any:  # noqa: F811
-    from router.redis_client import connect
+    from router.runtime.redis_client import connect
     from router.telemetry import RedisStore, TelemetryFeed
 
     engines = [await make_engine(f"gpu-{i}", models=(MODEL, REDIS_PREFIX_MODEL)) for i in range(2)]

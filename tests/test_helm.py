@@ -515,7 +515,7 @@ def test_hpa_ingress_and_monitoring(rendered):
     metrics_py = (ROOT / "router" / "metrics.py").read_text()
     for name in set(re.findall(r"\bfleetroute_[a-z_]+", exprs)):
         base = re.sub(r"_(total|bucket|sum|count)$", "", name)
-        assert f'"{base}"' in metrics_py, f"dashboard uses {name}, which router/metrics.py does not define"
+        assert f'"{base}"' in metrics_py, f"dashboard uses {name}, which router/runtime/metrics.py does not define"
     for needed in ("fleetroute_endpoint_in_flight_requests", "fleetroute_time_to_first_byte_seconds_bucket",
                    "fleetroute_outlier_ejections_total", "fleetroute_breaker_state", "fleetroute_admission_shed_total",
                    "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total", "DCGM_FI_DEV_GPU_UTIL"):

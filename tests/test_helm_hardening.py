@@ -35,7 +35,7 @@ import yaml
 
 from loadtest.host import free_port
 from loadtest.redis_server import server_binary
-from router.metrics import RouterMetrics
+from router.runtime.metrics import RouterMetrics
 from tests import fake_kube
 from tests.fake_kube import FakeKube, Resource
 from tests.helm_chart import CHART, NAMESPACE, RELEASE, VALUE_SETS, container_env, helm, one, rendered  # noqa: F401
@@ -660,7 +660,7 @@ def test_alerts_read_the_routers_real_metrics(rendered):
     for name, alert in alerts.items():
         assert alert["labels"]["team"] == "inference" and alert["labels"]["severity"] in ("warning", "critical")
         for metric, matchers in _selectors(alert["expr"]):
-            assert metric in series, f"{name}: {metric} is not a series of router/metrics.py"
+            assert metric in series, f"{name}: {metric} is not a series of router/runtime/metrics.py"
             assert set(matchers) <= series[metric] | TARGET_LABELS, f"{name}: {metric} has no label {set(matchers) - series[metric]}"
             # This release's routers only: their namespace, and the job Prometheus Operator names after the Service.
             assert matchers["namespace"] == NAMESPACE and matchers["job"] == metrics_service, name

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from router.loads import LoadTracker
-from router.metrics import RouterMetrics
 from router.model import Endpoint, EndpointView, RequestCost, RequestInfo, Telemetry
 from router.policies.registry import PolicyRegistry
+from router.runtime.metrics import RouterMetrics
 from tests.conftest import MODEL
 
 REGISTRY = PolicyRegistry()

@@ -22,12 +22,12 @@ from uhashring import HashRing
 from router.balancer import Balancer
 from router.config.settings import PolicySpec, parse_settings
 from router.loads import LoadTracker
-from router.metrics import RouterMetrics
 from router.model import Endpoint, EndpointView, RequestInfo
 from router.policies.base import DecisionTrace, _least, least_loaded, pool_index, scaled_load
 from router.policies.consistent_hash import MAX_BOUNDED_WALK, load_bound, ring_walk
 from router.policies.load_index import MAX_SCALES, LoadIndex
 from router.policies.registry import PolicyRegistry
+from router.runtime.metrics import RouterMetrics
 from router.server.app import build_context
 
 PROPERTY = settings(max_examples=150, deadline=None, derandomize=True, database=None)

@@ -29,7 +29,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from router.model import Telemetry
-from router.redis_client import RedisSettings, connect
+from router.runtime.redis_client import RedisSettings, connect
 from router.telemetry import RedisStore, TelemetryFeed
 from tests import fake_dcgm
 from tests.fake_dcgm import dcgm_exporter  # noqa: F401 - fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from router.logs import JsonFormatter
+from router.runtime.logs import JsonFormatter
 from router.server.access_log import AccessLog
 from tests.conftest import MODEL
 
@@ -91,7 +91,7 @@ def test_json_formatter_keeps_extra_fields_and_exceptions() -> None:
 
 @pytest.mark.parametrize("level", ["debug", "warning"])
 def test_configure_logging_sets_the_level(level: str) -> None:
-    from router.logs import configure_logging
+    from router.runtime.logs import configure_logging
 
     root = logging.getLogger()
     saved = root.handlers[:], root.level
@@ -104,7 +104,7 @@ def test_configure_logging_sets_the_level(level: str) -> None:
 
 
 def test_every_metric_has_a_row_in_the_architecture_metrics_table() -> None:
-    from router.metrics import RouterMetrics
+    from router.runtime.metrics import RouterMetrics
     from worker.node_metrics import NodeAgentMetrics
 
     root = Path(__file__).resolve().parent.parent
@@ -133,7 +133,7 @@ async def test_the_event_loop_lag_probe_samples_the_loop_and_sees_a_blocked_one(
     import asyncio
     import time
 
-    from router.metrics import RouterMetrics
+    from router.runtime.metrics import RouterMetrics
     from router.server.loop_lag import watch_loop_lag
 
     metrics = RouterMetrics()

@@ -174,9 +174,9 @@ async def test_entries_that_aged_past_the_ttl_before_a_lagging_reader_got_to_the
         redis_url) -> None:  # noqa: F811
     # The background class itself against real Redis: a reader whose cursor is older than the TTL (it was
     # cut off from Redis, or far behind) skips what expired meanwhile and counts it.
-    from router.metrics import RouterMetrics
     from router.policies.prefix_index import PrefixIndex
     from router.prefix_sharing import PrefixSharing, SharedPool
+    from router.runtime.metrics import RouterMetrics
 
     key = stream_key(unique(), MODEL, BLOCK)
     client = aioredis.from_url(redis_url, decode_responses=False)

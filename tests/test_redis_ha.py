@@ -21,8 +21,8 @@ from redis.crc import key_slot
 
 from loadtest.redis_server import RedisServer
 from router.config.settings import ConfigError, parse_settings
-from router.metrics import RouterMetrics
-from router.redis_client import RedisSettings, SentinelSettings, connect
+from router.runtime.metrics import RouterMetrics
+from router.runtime.redis_client import RedisSettings, SentinelSettings, connect
 from router.server.app import RunningRouter
 from router.sticky import session_digest
 from router.telemetry import RedisStore

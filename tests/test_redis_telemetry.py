@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from router.redis_client import RedisSettings, connect
+from router.runtime.redis_client import RedisSettings, connect
 from router.telemetry import RedisStore, TelemetryFeed
 from tests.conftest import MODEL
 from tests.fake_engine import EngineLoad

@@ -21,7 +21,7 @@ from loadtest.scale.report import render_markdown, render_micro, write_plots
 from router.model import Endpoint, EndpointView, RequestInfo
 from router.policies.base import EventSink, LoadView
 from router.policies.registry import BUILTIN, PolicyRegistry
-from router.redis_client import RedisSettings, connect
+from router.runtime.redis_client import RedisSettings, connect
 from router.telemetry import RedisStore, TelemetryFeed
 from tests.redis_server import own_redis  # noqa: F401 - fixture
 from worker.protocol import UPDATES_CHANNEL, decode, telemetry_key

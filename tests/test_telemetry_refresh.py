@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from router.balancer import Balancer
 from router.config.settings import PolicySpec
 from router.loads import LoadTracker
-from router.metrics import RouterMetrics
 from router.model import Endpoint, RequestInfo, Telemetry
 from router.policies.registry import PolicyRegistry
+from router.runtime.metrics import RouterMetrics
 
 STALE_AFTER = 5.0
 

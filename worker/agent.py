@@ -10,7 +10,7 @@ It never crash-loops on its environment: no NVIDIA driver gives one clear log li
 telemetry; an unreachable engine publishes `engine_up=0` (routers then see the endpoint's engine signals as
 unknown); an unreachable Redis is logged once and retried every interval until it answers.
 
-Redis is reached as the router reaches it (router/redis_client.py): a standalone server or a cluster node by
+Redis is reached as the router reaches it (router/runtime/redis_client.py): a standalone server or a cluster node by
 URL, or a Sentinel-watched master, with the password from an environment variable or a file. The flags
 mirror the router's `redis:` block and are checked by the same parser.
 """
@@ -37,7 +37,7 @@ from worker.node_gpu import NodeGpuReader, merge
 from worker.publisher import RedisPublisher
 
 if TYPE_CHECKING:
-    from router.redis_client import RedisClient, RedisSettings
+    from router.runtime.redis_client import RedisClient, RedisSettings
 
 log = logging.getLogger("fleetroute.agent")
 
@@ -130,7 +130,7 @@ class Agent:
 
 
 async def run_agent(settings: AgentSettings) -> None:
-    from router.redis_client import connect
+    from router.runtime.redis_client import connect
 
     client = connect(settings.redis, timeout=settings.timeout)
     async with aiohttp.ClientSession() as session:
@@ -219,7 +219,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def main(args: argparse.Namespace) -> int:
     from router.cli import run_event_loop
     from router.config.settings import ConfigError, parse_duration
-    from router.logs import configure_logging
+    from router.runtime.logs import configure_logging
 
     def fail(message: str) -> int:
         print(f"fleetroute agent: error: {message}", file=sys.stderr)

@@ -56,7 +56,7 @@ from worker.protocol import GpuRecord
 from worker.publisher import GpuRecordPublisher
 
 if TYPE_CHECKING:
-    from router.redis_client import RedisClient, RedisSettings
+    from router.runtime.redis_client import RedisClient, RedisSettings
 
 log = logging.getLogger("fleetroute.node_agent")
 
@@ -213,7 +213,7 @@ def build_http_app(agent: NodeAgent) -> web.Application:
 
 
 async def run_node_agent(settings: NodeAgentSettings) -> None:
-    from router.redis_client import connect
+    from router.runtime.redis_client import connect
 
     client = connect(settings.redis, timeout=settings.timeout)
     async with aiohttp.ClientSession() as session:
@@ -284,7 +284,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def main(args: argparse.Namespace) -> int:
     from router.cli import run_event_loop
     from router.config.settings import ConfigError, parse_duration
-    from router.logs import configure_logging
+    from router.runtime.logs import configure_logging
 
     def fail(message: str) -> int:
         print(f"fleetroute node-agent: error: {message}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Every Prometheus collector of the node agent (`fleetroute node-agent`), served on its own `/metrics`.
 
 The node agent is a process of its own (a DaemonSet pod per GPU node), so its collectors live in their own
-registry, not in the router's (router/metrics.py). No label carries a pod or GPU name: per-GPU numbers are
+registry, not in the router's (router/runtime/metrics.py). No label carries a pod or GPU name: per-GPU numbers are
 dcgm-exporter's job; these say whether the agent itself works.
 """
 

@@ -124,7 +124,7 @@ def hiredis_available(env: dict[str, str] | None) -> bool:
 
 READ_COST = """
 import asyncio, json, sys, time
-from router.redis_client import RedisSettings, connect
+from router.runtime.redis_client import RedisSettings, connect
 from router.telemetry import RedisStore
 from loadtest.scale.inputs import endpoint_ids
 

@@ -38,7 +38,7 @@ from router.model import Endpoint
 from router.policies.base import PolicyConfigError
 from router.policies.consistent_hash import HashKey, parse_key
 from router.policies.registry import PolicyRegistry
-from router.redis_client import RedisSettings, SentinelSettings
+from router.runtime.redis_client import RedisSettings, SentinelSettings
 from router.sticky import StickinessSettings
 
 if TYPE_CHECKING:  # parsed by their own modules, which build on this one's field reader
@@ -619,7 +619,7 @@ def _stickiness(f: Fields) -> StickinessSettings:
 
 
 def _redis(top: Fields) -> RedisSettings:
-    """`redis:` (router/redis_client.py connects): a standalone server or a cluster node by `url` (without the
+    """`redis:` (router/runtime/redis_client.py connects): a standalone server or a cluster node by `url` (without the
     key, $REDIS_URL; `url: null` turns Redis off), or a Sentinel-watched master by `sentinel`; the password
     from `passwordEnv` or `passwordFile`, never from this file."""
     sub = top.sub("redis")

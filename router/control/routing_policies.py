@@ -56,7 +56,7 @@ from router.control import KubernetesControlSettings
 from router.control.delegation import REASONS, Refusal, check, file_conflict
 from router.control.spec import policy_from_spec
 from router.discovery.kubernetes import _describe, _status_message, configure_client
-from router.progress import Progress
+from router.runtime.progress import Progress
 from router.server.app import sync_health_checks, sync_sticky_tables
 from router.server.context import RouterContext
 

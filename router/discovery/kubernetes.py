@@ -82,9 +82,9 @@ from kubernetes.aio.client.exceptions import ApiException
 
 from router.balancer import Balancer
 from router.config.settings import ConfigError, KubernetesDiscoverySettings
-from router.metrics import RouterMetrics
 from router.model import Endpoint, EndpointState
-from router.progress import Progress
+from router.runtime.metrics import RouterMetrics
+from router.runtime.progress import Progress
 
 log = logging.getLogger("fleetroute.discovery")
 

@@ -53,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
     import sys
 
     from router.config.settings import ConfigError, load_settings
-    from router.logs import configure_logging
+    from router.runtime.logs import configure_logging
     from router.server.app import build_context
 
     try:

@@ -24,8 +24,8 @@ from router.health.breaker import BreakerSettings, BreakerState, CircuitBreaker
 from router.health.gpu import GpuHealth
 from router.health.outlier import Ejection, OutlierDetector, OutlierSettings
 from router.health.slow_start import SlowStart, SlowStartSettings
-from router.metrics import RouterMetrics
 from router.model import EndpointView
+from router.runtime.metrics import RouterMetrics
 
 log = logging.getLogger("fleetroute.health")
 

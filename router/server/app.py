@@ -22,17 +22,17 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router.admission import Admission
-from router.background import contained
 from router.balancer import Balancer
 from router.budgets import Budgets
 from router.config.settings import FALLBACK_POLICY, Settings
-from router.errors import SERVER_NAME
 from router.loads import LoadTracker
-from router.metrics import RouterMetrics
 from router.policies.registry import PolicyRegistry
 from router.prefix_sharing import PrefixSharing
 from router.prefix_upkeep import PrefixUpkeep, run_upkeep
-from router.redis_client import connect as connect_redis
+from router.runtime.background import contained
+from router.runtime.errors import SERVER_NAME
+from router.runtime.metrics import RouterMetrics
+from router.runtime.redis_client import connect as connect_redis
 from router.server import auth
 from router.server.connections import (
     ConnectionGuard,

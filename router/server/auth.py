@@ -53,8 +53,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
 from router.config.settings import NOT_SHOWN, ConfigError, Fields, _show
-from router.errors import error_response
-from router.metrics import RouterMetrics
+from router.runtime.errors import error_response
+from router.runtime.metrics import RouterMetrics
 from router.tenants import DEFAULT_TENANT, KEY_TENANT
 
 ADMIN_TOKEN_ENV = "FLEETROUTE_ADMIN_TOKEN"

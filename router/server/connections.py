@@ -55,9 +55,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
 from router.config.settings import Address, ClientTimeouts
-from router.errors import SERVER_NAME, error_response
-from router.logs import RateLimitedLog
-from router.metrics import RouterMetrics
+from router.runtime.errors import SERVER_NAME, error_response
+from router.runtime.logs import RateLimitedLog
+from router.runtime.metrics import RouterMetrics
 from router.server.forwarding import Forwarding, parse_ip
 
 log = logging.getLogger("fleetroute.connections")

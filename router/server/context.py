@@ -25,11 +25,11 @@ from router.cost import CostModel
 from router.departures import EndpointStateOwner
 from router.health.stall import StallDetector
 from router.loads import LoadTracker
-from router.logs import RateLimitedLog
-from router.metrics import RouterMetrics
 from router.policies.registry import PolicyRegistry
 from router.prefix_upkeep import PrefixUpkeep
 from router.retry_budget import RetryBudget
+from router.runtime.logs import RateLimitedLog
+from router.runtime.metrics import RouterMetrics
 from router.server.access_log import AccessLog
 from router.server.explain import DecisionLog
 from router.server.forwarding import Forwarding

@@ -48,8 +48,8 @@ from typing import Any
 import orjson
 
 from router.config.settings import Fields
-from router.metrics import RouterMetrics
 from router.policies.base import DecisionTrace
+from router.runtime.metrics import RouterMetrics
 
 log = logging.getLogger("fleetroute.decisions")
 

@@ -29,10 +29,10 @@ from router.admission import AdmissionSettings
 from router.budgets import Verdict
 from router.config.redaction import redact_url
 from router.cost import CostEstimate, CostSettings, relative_error
-from router.errors import clip, error_response
 from router.model import EndpointState, EndpointView
 from router.output_tokens import OutputCounter
 from router.policies.base import MAX_LISTED, DecisionTrace
+from router.runtime.errors import clip, error_response
 from router.server.connections import ClientConnection
 from router.server.context import CONTEXT, RouterContext
 from router.server.explain import Attempt, Decision

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.metrics import RouterMetrics
+from router.runtime.metrics import RouterMetrics
 
 INTERVAL = 0.1  # seconds between two samples
 

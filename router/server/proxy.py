@@ -51,14 +51,14 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.config.settings import ClientTimeouts, Timeouts
-from router.errors import clip, error_response
 from router.health.stall import StallDetector, Waiter
 from router.loads import LoadTracker
-from router.logs import RateLimitedLog
-from router.metrics import RouterMetrics
 from router.model import EndpointView
 from router.output_tokens import OutputCount, OutputCounter
 from router.prefill import Prefill
+from router.runtime.errors import clip, error_response
+from router.runtime.logs import RateLimitedLog
+from router.runtime.metrics import RouterMetrics
 from router.server.explain import EXPLAIN_HEADER
 from router.server.forwarding import Forwarding
 

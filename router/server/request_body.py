@@ -28,7 +28,7 @@ from collections.abc import Callable
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
-from router.errors import clip, error_response
+from router.runtime.errors import clip, error_response
 
 ACCEPTED_ENCODINGS = ("gzip", "deflate")
 _IDENTITY = frozenset({"", "identity"})

@@ -28,10 +28,10 @@ import logging
 import aiohttp
 from multidict import CIMultiDict
 
-from router.background import contained
 from router.health.active import describe, probe_completion
 from router.health.stall import Suspect
 from router.model import EndpointState
+from router.runtime.background import contained
 from router.server import auth
 from router.server.context import RouterContext
 

@@ -6,7 +6,7 @@ policy knows which one called: both build the same `RequestInfo` from the parsed
 its cost, look up its session pin, and pick through the balancer (stickiness first, then the policy). What is
 the data path's own (reading the body, forwarding, retries, how a refusal reaches the client) stays there.
 
-Refusals are OpenAI-shaped `web.Response`s (router/errors.py): the proxy sends them as they are, the endpoint
+Refusals are OpenAI-shaped `web.Response`s (router/runtime/errors.py): the proxy sends them as they are, the endpoint
 picker copies their status, headers and body into an ImmediateResponse.
 """
 
@@ -20,10 +20,10 @@ from aiohttp import web
 
 from router.config.settings import PolicySpec
 from router.cost import CostEstimate, CostSettings
-from router.errors import clip, error_response
 from router.model import EndpointView, RequestInfo
 from router.policies.base import DecisionTrace
 from router.policies.consistent_hash import load_bound
+from router.runtime.errors import clip, error_response
 from router.server.context import RouterContext
 from router.sticky import StickyTable
 from router.tenants import Tenant

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
     from opentelemetry.trace import Span, Tracer
 
-    from router.metrics import RouterMetrics
+    from router.runtime.metrics import RouterMetrics
 
 log = logging.getLogger("fleetroute.tracing")
 

@@ -187,7 +187,7 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from router.cli import run_event_loop
-    from router.logs import configure_logging
+    from router.runtime.logs import configure_logging
     from worker.sim.engine import EngineConfig, EngineCore
     from worker.sim.profiles import load_profiles, profile
     from worker.sim.server import SimSettings, run_sim

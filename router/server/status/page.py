@@ -37,11 +37,11 @@ from urllib.parse import parse_qs
 import orjson
 from aiohttp import web
 
-from router.background import contained
 from router.config.redaction import redact_url
-from router.errors import clip, error_response
-from router.logs import RateLimitedLog
 from router.model import EndpointState
+from router.runtime.background import contained
+from router.runtime.errors import clip, error_response
+from router.runtime.logs import RateLimitedLog
 from router.server.auth import is_admin_token
 from router.server.context import CONTEXT, RouterContext
 from router.server.explain import Decision, summarise

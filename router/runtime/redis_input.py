@@ -10,7 +10,7 @@ Whoever can write to the router's Redis can put anything under fleetroute's keys
     prefix stream entry   router.prefix_sharing.entry_blocks                       (same)
     budget check's reply  router.budgets.check_reply                               (same)
 
-Each reads bytes (every client is binary, router/redis_client.py), checks the size before decoding, then the
+Each reads bytes (every client is binary, router/runtime/redis_client.py), checks the size before decoding, then the
 type and the range, and raises `Rejected(reason, detail)`. The caller passes that to a `RejectionLog`, which
 counts it and writes at most one log line per reason per minute (a hostile writer must not flood the logs).
 Reasons: oversize, malformed, out_of_range, future, wrong_type (a key of another Redis type where ours

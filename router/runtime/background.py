@@ -7,7 +7,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from router.metrics import RouterMetrics
+from router.runtime.metrics import RouterMetrics
 
 log = logging.getLogger("fleetroute.background")
 

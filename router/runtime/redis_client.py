@@ -4,7 +4,7 @@ Redis Cluster, with the password taken from the environment or a file (never fro
 Every client in the process comes from `connect`, so they all behave alike:
 
 - binary replies (`decode_responses=False`): what Redis returns is untrusted, and each reader bounds a
-  value's size before it decodes it (router/redis_input.py);
+  value's size before it decodes it (router/runtime/redis_input.py);
 - RESP2 replies (`protocol=2`), one reply shape whatever the server speaks;
 - short socket timeouts, and one immediate retry on a broken connection only (a pooled connection that a
   failover or an idle timeout closed: the retry reconnects, through the sentinels or the refreshed slot
