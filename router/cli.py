@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
-from collections.abc import Coroutine
-from typing import Any
 
 ROUTER_EPILOG = """\
 configuration (YAML; every field optional except endpoints' id/url/models and policies' name):
@@ -162,15 +159,6 @@ def _presets_help() -> str:
     return "\n".join(out)
 
 
-def run_event_loop(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run on uvloop where installed (faster sockets), the standard loop otherwise."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def _show_policies(path: str) -> str:
     """The config file's `policies:` as YAML, each preset expanded into the entry the router parses."""
     import yaml
@@ -231,6 +219,7 @@ def _router(args: argparse.Namespace) -> int:
         from router.server.supervisor import run_workers
 
         return run_workers(settings, path)
+    from router.runtime.loop import run_event_loop
     from router.server.app import serve
 
     try:

@@ -217,7 +217,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def main(args: argparse.Namespace) -> int:
-    from router.cli import run_event_loop
+    from router.runtime.loop import run_event_loop
     from router.config.settings import ConfigError, parse_duration
     from router.runtime.logs import configure_logging
 

@@ -27,7 +27,7 @@ log = logging.getLogger("fleetroute.workers")
 
 
 def _worker_main(settings: Settings, index: int, config_path: str | None) -> None:
-    from router.cli import run_event_loop
+    from router.runtime.loop import run_event_loop
     from router.runtime.logs import configure_logging
     from router.server.app import serve
 

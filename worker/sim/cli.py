@@ -186,7 +186,7 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from router.cli import run_event_loop
+    from router.runtime.loop import run_event_loop
     from router.runtime.logs import configure_logging
     from worker.sim.engine import EngineConfig, EngineCore
     from worker.sim.profiles import load_profiles, profile
