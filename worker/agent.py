@@ -217,9 +217,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def main(args: argparse.Namespace) -> int:
-    from router.runtime.loop import run_event_loop
     from router.config.settings import ConfigError, parse_duration
     from router.runtime.logs import configure_logging
+    from router.runtime.loop import run_event_loop
 
     def fail(message: str) -> int:
         print(f"fleetroute agent: error: {message}", file=sys.stderr)

@@ -27,8 +27,8 @@ log = logging.getLogger("fleetroute.workers")
 
 
 def _worker_main(settings: Settings, index: int, config_path: str | None) -> None:
-    from router.runtime.loop import run_event_loop
     from router.runtime.logs import configure_logging
+    from router.runtime.loop import run_event_loop
     from router.server.app import serve
 
     configure_logging(settings.log_level)

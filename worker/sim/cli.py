@@ -186,8 +186,8 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from router.runtime.loop import run_event_loop
     from router.runtime.logs import configure_logging
+    from router.runtime.loop import run_event_loop
     from worker.sim.engine import EngineConfig, EngineCore
     from worker.sim.profiles import load_profiles, profile
     from worker.sim.server import SimSettings, run_sim
