@@ -3,11 +3,11 @@
 The live harness (`loadtest.runner`) measures the whole system: processes, HTTP, streaming, telemetry
 through Redis, on a time-scaled fleet, which takes minutes per run. This module keeps only what decides
 where requests go and what each replica then does: the same `EngineCore`s the simulated replicas run, the
-same pickers the router builds (from `router.policies`, with their real configuration parsing), telemetry
+same pickers the router builds (from `router.routing.policies`, with their real configuration parsing), telemetry
 sampled from the engines every `telemetry_interval` of simulated time and handed to the pickers only at
 those ticks (the lag a real router lives with), in-flight counts that change the moment a request is
 routed and the moment its last token is out, and the prefill book the router keeps for least-prefill
-(router/prefill.py: booked at the pick, closed and timed at the first token, as every lab request
+(router/routing/prefill.py: booked at the pick, closed and timed at the first token, as every lab request
 streams). Time jumps from event to event, so an hour of traffic takes seconds and a seed makes a run
 exactly repeatable.
 
@@ -30,8 +30,8 @@ from typing import Any
 
 from loadtest.client import PlannedRequest
 from router.model import Endpoint, EndpointView, RequestInfo, Telemetry
-from router.policies.registry import PolicyRegistry
-from router.prefill import Prefill, PrefillBook
+from router.routing.policies.registry import PolicyRegistry
+from router.routing.prefill import Prefill, PrefillBook
 from worker.sim.engine import EngineConfig, EngineCore, SimRequest
 from worker.sim.gpu import BusyWindow
 from worker.sim.profiles import profile

@@ -24,7 +24,7 @@ from loadtest.fleetsim import simulate
 from loadtest.runner import build_plan, modelled_capacity
 from loadtest.scenario import Scenario, load_scenario
 from loadtest.stats import percentile, warmup_start
-from router.policies.registry import PolicyRegistry
+from router.routing.policies.registry import PolicyRegistry
 from worker.sim.engine import EngineConfig
 
 CONFIG_KEYS = frozenset(p.config_key for p in PolicyRegistry().all())  # the strategies' parameter blocks

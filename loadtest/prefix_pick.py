@@ -18,7 +18,7 @@ from collections import Counter
 from typing import Any
 
 from router.model import Endpoint, EndpointView, RequestInfo
-from router.policies.prefix_aware import PrefixAwarePolicy
+from router.routing.policies.prefix_aware import PrefixAwarePolicy
 
 
 class _Loads:

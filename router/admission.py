@@ -33,7 +33,7 @@ starved. Comparing `rank - waited/aging` between two requests at the same instan
 entry, like a virtual-time scheduler (start-time fair queueing), with no re-sorting as time passes. Within a
 class that is arrival order, so one FIFO per class suffices and the next request is the best of the heads.
 
-`order: shortest-expected-first` orders each class by expected cost instead (router/cost.py: the request's
+`order: shortest-expected-first` orders each class by expected cost instead (router/routing/cost.py: the request's
 predicted cost C in tokens), with ageing in the same virtual-time form: the key's time part is
 `enqueued_at + C / agingTokensPerSecond`. A request of cost C is therefore overtaken only by requests of
 its class that arrive less than C / rate seconds after it (and are cheaper): it is served no later than a
@@ -80,10 +80,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from router.balancer import Balancer
 from router.config.settings import ConfigError, Fields, PolicySpec, _show
 from router.fair_queue import FairClass
-from router.loads import LoadTracker
+from router.routing.balancer import Balancer
+from router.routing.loads import LoadTracker
 from router.runtime.errors import error_response
 from router.runtime.metrics import RouterMetrics
 from router.tenants import DEFAULT_TENANT, TenancySettings
@@ -250,7 +250,7 @@ class _Waiter:
         self.cls = cls
         self.request_id = request_id
         self.tenant = tenant  # router/tenants.py ("" without tenancy)
-        self.cost = cost  # predicted tokens (router/cost.py): fair queueing charges them
+        self.cost = cost  # predicted tokens (router/routing/cost.py): fair queueing charges them
         self.enqueued_at = now
         self.deadline_at = deadline_at
         self.key = key  # the service order, fixed on entry (lower first); its last element is `seq`
@@ -487,7 +487,7 @@ class Pool:
     async def admit(self, request_id: str, headers: Mapping[str, str], cost: float = 0.0,
                     tenant: str = "") -> web.Response | None:
         """Wait for a slot. Returns None when the request may go on, or the response to shed it with.
-        `cost` (tokens, router/cost.py) orders the request within its class under shortest-expected-first, and
+        `cost` (tokens, router/routing/cost.py) orders the request within its class under shortest-expected-first, and
         is what fair queueing charges `tenant` (a configured tenant name, router/tenants.py; "" without)."""
         settings = self.settings
         cls = settings.classify(headers.get(settings.priority_header))

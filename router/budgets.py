@@ -3,9 +3,9 @@ through Redis, answered in OpenAI's rate-limit style.
 
 What counts. A request of a tenant with a budget is checked before it queues or routes
 (router/server/handlers.py): one request against `requestsPerMinute`, its prompt tokens (the estimate of
-router/cost.py) against `tokensPerMinute`. If both fit, both are charged in the same atomic step; if not,
+router/routing/cost.py) against `tokensPerMinute`. If both fit, both are charged in the same atomic step; if not,
 nothing is charged and the client gets 429. Completion tokens are only known at the end of the answer (as
-router/output_tokens.py counts them from the stream; a cut stream is charged the tokens it carried): they
+router/routing/output_tokens.py counts them from the stream; a cut stream is charged the tokens it carried): they
 are charged then (`charge`), so a tenant can overshoot its token budget by the answers it has in flight,
 and its next requests wait until the overshoot has left the window. A request that passed the check but was
 then shed by the admission queue gets its charges back (`refund`): a full fleet is not the tenant's

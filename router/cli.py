@@ -164,7 +164,7 @@ def _show_policies(path: str) -> str:
     import yaml
 
     from router.config.settings import expand_policy
-    from router.policies.registry import PolicyRegistry
+    from router.routing.policies.registry import PolicyRegistry
 
     with open(path, encoding="utf-8") as fh:
         raw = yaml.safe_load(fh) or {}

@@ -36,7 +36,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from router.loads import LoadTracker
+from router.routing.loads import LoadTracker
 from router.runtime.metrics import RouterMetrics
 from router.runtime.progress import Progress
 

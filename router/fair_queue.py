@@ -15,7 +15,7 @@ router/admission.py):
 - the class has a virtual time V, the start tag of the last request it served;
 - a flow's start tag is S_t = max(V, F_t); the class serves the head of the flow with the lowest S_t (ties:
   the head with the older admission key, so arrival order between tenants that are even);
-- serving a request of predicted cost C (router/cost.py, at least 1 token) sets V = S_t and
+- serving a request of predicted cost C (router/routing/cost.py, at least 1 token) sets V = S_t and
   F_t = S_t + C / weight_t.
 
 What that guarantees. Two tenants with requests waiting receive service in proportion to their weights,

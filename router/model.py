@@ -115,7 +115,7 @@ class Snapshot:
 
 @dataclass(frozen=True, slots=True)
 class RequestCost:
-    """A request's expected cost, estimated before it is routed (router/cost.py explains the model).
+    """A request's expected cost, estimated before it is routed (router/routing/cost.py explains the model).
 
     `total` is its load in tokens: `prefill_weight * prompt_tokens + output_tokens`.
     """

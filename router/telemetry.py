@@ -34,9 +34,9 @@ import aiohttp
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
-from router.balancer import Balancer
 from router.config.settings import TelemetrySettings
 from router.model import Endpoint, Telemetry
+from router.routing.balancer import Balancer
 from router.runtime.background import contained
 from router.runtime.metrics import RouterMetrics
 from router.runtime.redis_client import RedisClient

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from router.model import Telemetry
-from router.policies.base import DecisionTrace, PolicyConfigError
-from router.policies.prefix_aware import block_hashes
+from router.routing.policies.base import DecisionTrace, PolicyConfigError
+from router.routing.policies.prefix_aware import block_hashes
 from tests.test_policies import REGISTRY, FixedLoads, build, req, tel, views
 
 

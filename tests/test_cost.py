@@ -1,4 +1,4 @@
-"""Request-cost prediction (router/cost.py, router/output_tokens.py): the prompt estimate, the online
+"""Request-cost prediction (router/routing/cost.py, router/routing/output_tokens.py): the prompt estimate, the online
 output-length predictor (convergence on a seeded synthetic stream, bounded memory, the max_tokens cap), the
 output-token count read off real answers, the configuration, and the whole loop through a real router and
 fake engines, with the prediction error in /metrics and in the access log.
@@ -17,9 +17,9 @@ import orjson
 import pytest
 
 from router.config.settings import ConfigError, parse_settings
-from router.cost import PART_TOKENS, CostModel, CostSettings, max_output_tokens, prompt_size
 from router.model import RequestInfo
-from router.output_tokens import OutputCounter
+from router.routing.cost import PART_TOKENS, CostModel, CostSettings, max_output_tokens, prompt_size
+from router.routing.output_tokens import OutputCounter
 from router.server.access_log import AccessLog
 from tests.conftest import MODEL
 
@@ -401,7 +401,7 @@ BOTH_PATHS = (CHAT_PATH, "/v1/completions")
         pytest.param(True, {"vllm_stream": True}, {}, BOTH_PATHS, "stream",
                      id="a vLLM-shaped stream without usage: events counted"),
         # (An OpenAI-shaped completion stream's empty closing `text` event is counted as a token, like vLLM's
-        # end-of-sequence step; router/output_tokens.py.)
+        # end-of-sequence step; router/routing/output_tokens.py.)
         pytest.param(True, {}, {}, (CHAT_PATH,), "stream", id="an OpenAI-shaped chat stream without usage: events counted"),
         pytest.param(True, {"vllm_stream": True}, {"stream_options": {"include_usage": True}}, BOTH_PATHS, "usage",
                      id="a stream with include_usage: usage"),

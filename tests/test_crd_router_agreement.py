@@ -30,7 +30,7 @@ import yaml
 
 from router.config.settings import ConfigError
 from router.control.spec import policy_from_spec
-from router.policies.registry import PolicyRegistry
+from router.routing.policies.registry import PolicyRegistry
 from tests.fake_crd import FakeCRD
 from tests.fake_kube import FakeKube
 from tests.test_routing_policy_crd import KUBECTL, NS, MakeEngine, MakeRouter, condition, kubectl, start, until

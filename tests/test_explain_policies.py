@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from router.model import Endpoint, EndpointView, RequestCost, RequestInfo
-from router.policies.base import DecisionTrace
-from router.policies.prefix_aware import guard_report, tripped_guard
-from router.policies.registry import PolicyRegistry
+from router.routing.policies.base import DecisionTrace
+from router.routing.policies.prefix_aware import guard_report, tripped_guard
+from router.routing.policies.registry import PolicyRegistry
 from router.server.explain import Attempt, summarise
 
 REGISTRY = PolicyRegistry()

@@ -439,7 +439,7 @@ async def _plant(client: Any, key: str, kind: str, items: list[tuple[bytes, byte
 
 def _within_schema(router: RunningRouter) -> None:
     """What reached routing: every number finite, ratios in [0, 1], counts non-negative and bounded."""
-    from router.shared_loads import MAX_IN_FLIGHT, MAX_REPLICAS
+    from router.routing.shared_loads import MAX_IN_FLIGHT, MAX_REPLICAS
 
     for view in router.ctx.balancer.snapshot.views:
         t = view.telemetry
@@ -503,7 +503,7 @@ def test_hostile_telemetry_in_redis_is_refused_without_failing_a_round_or_a_requ
 @given(kind=st.sampled_from(["string"] * 6 + list(_REDIS_TYPES)), value=_redis_values)
 def test_hostile_session_pins_in_redis_never_fail_a_request(redis_target: RedisTarget, caplog, kind: str,
                                                             value: bytes) -> None:
-    from router.sticky import KEY_PREFIX, session_digest
+    from router.routing.sticky import KEY_PREFIX, session_digest
 
     t = redis_target
     session = t.next_session()
@@ -529,7 +529,7 @@ def test_hostile_in_flight_counts_in_redis_never_fail_a_round_or_a_request(
         kind: str, replica_set_kind: str) -> None:
     import time
 
-    from router.shared_loads import LOADS_PREFIX, REPLICAS_KEY
+    from router.routing.shared_loads import LOADS_PREFIX, REPLICAS_KEY
 
     t = redis_target
     shared = t.router.ctx.shared_loads
@@ -574,7 +574,7 @@ def test_hostile_prefix_stream_entries_never_fail_a_round_or_a_request(
         kind: str) -> None:
     from redis.exceptions import ResponseError
 
-    from router.prefix_sharing import ENTRY_HASHES, MERGE_BUDGET, stream_key
+    from router.routing.prefix.sharing import ENTRY_HASHES, MERGE_BUDGET, stream_key
 
     t = redis_target
     upkeep = t.router.ctx.prefix_upkeep

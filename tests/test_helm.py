@@ -208,7 +208,7 @@ def test_router_accepts_its_rendered_config(rendered, values, tmp_path, monkeypa
 def test_the_charts_own_routing_policies_are_within_the_delegation(rendered, values, tmp_path, monkeypatch):
     from router.control.delegation import check, file_conflict
     from router.control.spec import policy_from_spec
-    from router.policies.registry import PolicyRegistry
+    from router.routing.policies.registry import PolicyRegistry
     from tests.fake_crd import FakeCRD
 
     settings = _parse_as_the_router_pod(rendered[values], tmp_path, monkeypatch)
@@ -512,7 +512,7 @@ def test_hpa_ingress_and_monitoring(rendered):
     assert [p["targetPort"] for p in _one(objs, "Service", f"{RELEASE}-fleetroute")["spec"]["ports"]] == ["http"]
     dashboard = json.loads(_one(objs, "ConfigMap", f"{RELEASE}-fleetroute-dashboard")["data"]["fleetroute.json"])
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
-    metrics_py = (ROOT / "router" / "metrics.py").read_text()
+    metrics_py = (ROOT / "router" / "runtime" / "metrics.py").read_text()
     for name in set(re.findall(r"\bfleetroute_[a-z_]+", exprs)):
         base = re.sub(r"_(total|bucket|sum|count)$", "", name)
         assert f'"{base}"' in metrics_py, f"dashboard uses {name}, which router/runtime/metrics.py does not define"
@@ -859,7 +859,7 @@ def test_bad_tenancy_values_are_rejected_with_a_clear_message(helm, args, messag
 
 
 def test_tracing_values_reach_the_router_with_headers_from_a_secret_and_an_egress_rule(helm, monkeypatch):
-    """router.server.tracing becomes the router's `tracing:` block; the export headers come from an existing Secret through
+    """router.tracing becomes the router's `tracing:` block; the export headers come from an existing Secret through
     the variable the config names, and the router's NetworkPolicy lets it reach the collector."""
     objs = [d for d in yaml.safe_load_all(_template(
         helm, "--set", "router.tracing.enabled=true", "--set-json", "router.tracing.sampleRatio=0.25",

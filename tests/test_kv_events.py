@@ -15,8 +15,8 @@ from aiohttp import web
 
 from loadtest.host import free_port
 from router.config.settings import ConfigError, parse_settings
-from router.kv_events import Cleared, Rejected, Removed, Stored, decode_batch
-from router.policies.kv_block_index import KVBlockIndex, chain_keys, request_token_ids
+from router.routing.prefix.kv_block_index import KVBlockIndex, chain_keys, request_token_ids
+from router.routing.prefix.kv_events import Cleared, Rejected, Removed, Stored, decode_batch
 from router.server.app import RunningRouter, build_context, start_router
 from router.server.proxy import ENDPOINT_HEADER
 from worker.sim.engine import EngineConfig, EngineCore

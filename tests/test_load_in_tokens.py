@@ -1,5 +1,5 @@
 """Load in tokens (`loadUnit: tokens`): least-connections and adaptive weigh in-flight requests by their
-predicted cost (router/cost.py) instead of counting them, through the `LoadView` protocol; the
+predicted cost (router/routing/cost.py) instead of counting them, through the `LoadView` protocol; the
 `LoadTracker` keeps the cost in flight per endpoint. Hand-built snapshots and loads, as in
 tests/test_policies.py, then one end-to-end pick through a real router.
 """
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from router.loads import LoadTracker
 from router.model import Endpoint, EndpointView, RequestCost, RequestInfo, Telemetry
-from router.policies.registry import PolicyRegistry
+from router.routing.loads import LoadTracker
+from router.routing.policies.registry import PolicyRegistry
 from router.runtime.metrics import RouterMetrics
 from tests.conftest import MODEL
 

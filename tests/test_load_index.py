@@ -1,4 +1,4 @@
-"""The least-load index (router/policies/load_index.py) against the plain scan it replaces.
+"""The least-load index (router/routing/policies/load_index.py) against the plain scan it replaces.
 
 Property tests (hypothesis) on random fleets: capacity weights and slow-start factors, in-flight counts moved
 through the real `LoadTracker` in random order, random exclude sets. After every step the index's choice
@@ -19,14 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from uhashring import HashRing
 
-from router.balancer import Balancer
 from router.config.settings import PolicySpec, parse_settings
-from router.loads import LoadTracker
 from router.model import Endpoint, EndpointView, RequestInfo
-from router.policies.base import DecisionTrace, _least, least_loaded, pool_index, scaled_load
-from router.policies.consistent_hash import MAX_BOUNDED_WALK, load_bound, ring_walk
-from router.policies.load_index import MAX_SCALES, LoadIndex
-from router.policies.registry import PolicyRegistry
+from router.routing.balancer import Balancer
+from router.routing.loads import LoadTracker
+from router.routing.policies.base import DecisionTrace, _least, least_loaded, pool_index, scaled_load
+from router.routing.policies.consistent_hash import MAX_BOUNDED_WALK, load_bound, ring_walk
+from router.routing.policies.load_index import MAX_SCALES, LoadIndex
+from router.routing.policies.registry import PolicyRegistry
 from router.runtime.metrics import RouterMetrics
 from router.server.app import build_context
 
@@ -109,7 +109,7 @@ def test_the_pool_total_with_other_replicas_is_the_sum_the_bound_used_to_take(co
             tracks.append(loads.track(view.id))
             tracks[-1].__enter__()
     loads.set_pools({"m": views})
-    for shared in ({}, others, dict(others)):  # replaced whole at each sharing round (router/shared_loads.py)
+    for shared in ({}, others, dict(others)):  # replaced whole at each sharing round (router/routing/shared_loads.py)
         loads.others = shared
         index = loads.load_index(views)
         assert index is not None

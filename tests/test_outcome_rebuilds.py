@@ -1,6 +1,6 @@
 """A request outcome that ejects an endpoint takes effect for the very next pick, without the reporting request
 paying for a rebuild; the pools it touched are rebuilt once, on the next turn of the event loop, however many
-outcomes arrived before then (router/balancer.py)."""
+outcomes arrived before then (router/routing/balancer.py)."""
 
 from __future__ import annotations
 

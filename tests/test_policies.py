@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from router.model import Endpoint, EndpointView, RequestInfo, Telemetry
-from router.policies.base import PolicyConfigError
-from router.policies.registry import PolicyRegistry
+from router.routing.policies.base import PolicyConfigError
+from router.routing.policies.registry import PolicyRegistry
 
 REGISTRY = PolicyRegistry()
 MODEL = "m"

@@ -1,4 +1,4 @@
-"""The prefill book (router/prefill.py): pending prompt tokens per endpoint, closed at the first byte, and the
+"""The prefill book (router/routing/prefill.py): pending prompt tokens per endpoint, closed at the first byte, and the
 prefill speed it measures from streamed first tokens."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from router.prefill import SPEED_WINDOW, PrefillBook
+from router.routing.prefill import SPEED_WINDOW, PrefillBook
 
 
 def test_pending_prefill_is_booked_per_endpoint_and_closed_once() -> None:

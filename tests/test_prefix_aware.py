@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from router.model import Endpoint, EndpointView, RequestInfo, Telemetry
-from router.policies.base import DecisionTrace, PolicyConfigError
-from router.policies.prefix_aware import PrefixAwarePolicy, block_hashes, prompt_blocks
-from router.policies.prefix_index import FALLBACK_BLOCKS, OUTBOX_LIMIT, PrefixIndex
+from router.routing.policies.base import DecisionTrace, PolicyConfigError
+from router.routing.policies.prefix_aware import PrefixAwarePolicy, block_hashes, prompt_blocks
+from router.routing.prefix.index import FALLBACK_BLOCKS, OUTBOX_LIMIT, PrefixIndex
 from tests.conftest import MODEL as E2E_MODEL
 from worker.vllm_metrics import parse_vllm_metrics
 
@@ -799,7 +799,7 @@ async def test_turns_a_sticky_session_sends_without_a_pick_still_reach_the_prefi
     # realtime-chat pins sessions: from turn 2 on the handler keeps the pin and never asks the picker. The
     # index must still learn each turn's blocks (recency, sharing, the tuner's estimate), or a live
     # conversation would age out of the index while its engine still holds it.
-    from router.policies.prefix_index import PrefixIndex
+    from router.routing.prefix.index import PrefixIndex
 
     engines = [await make_engine(f"gpu-{i}") for i in range(3)]
     router = await make_router(engines, policies=[{"name": "default", "models": ["*"], "strategy": "prefix-aware",
@@ -842,7 +842,7 @@ FULL_PARAMS = {"selection": "least-prefill", "blockChars": 512, "maxBlocks": 32,
 ])
 def test_the_crd_schema_accepts_what_the_router_does(params: dict[str, Any], error: str | None) -> None:
     from router.config.settings import _policy
-    from router.policies.registry import PolicyRegistry
+    from router.routing.policies.registry import PolicyRegistry
     from tests.fake_crd import FakeCRD
 
     obj = {"apiVersion": "fleetroute.io/v1alpha1", "kind": "RoutingPolicy",
@@ -859,7 +859,7 @@ def test_the_crd_schema_accepts_what_the_router_does(params: dict[str, Any], err
 def test_a_deeply_nested_or_huge_prompt_is_served_without_rendering_it_all() -> None:
     # orjson accepts 1,024 levels of nesting, Python's json recursion stops near 1,000: a client must not
     # turn that into a 500 on the pick path. And a multi-megabyte image part is never rendered to hash it.
-    from router.policies.prefix_aware import prompt_blocks
+    from router.routing.policies.prefix_aware import prompt_blocks
 
     deep: object = "x"
     for _ in range(1020):

@@ -10,8 +10,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from router.policies.prefix_aware import block_hashes
-from router.prefix_sharing import ENDPOINT_FIELD, ROUTER_FIELD, pack, stream_key
+from router.routing.policies.prefix_aware import block_hashes
+from router.routing.prefix.sharing import ENDPOINT_FIELD, ROUTER_FIELD, pack, stream_key
 from router.server.app import RunningRouter
 from tests.conftest import MODEL
 from tests.redis_server import own_redis, redis_url  # noqa: F401 - fixtures
@@ -174,8 +174,8 @@ async def test_entries_that_aged_past_the_ttl_before_a_lagging_reader_got_to_the
         redis_url) -> None:  # noqa: F811
     # The background class itself against real Redis: a reader whose cursor is older than the TTL (it was
     # cut off from Redis, or far behind) skips what expired meanwhile and counts it.
-    from router.policies.prefix_index import PrefixIndex
-    from router.prefix_sharing import PrefixSharing, SharedPool
+    from router.routing.prefix.index import PrefixIndex
+    from router.routing.prefix.sharing import PrefixSharing, SharedPool
     from router.runtime.metrics import RouterMetrics
 
     key = stream_key(unique(), MODEL, BLOCK)

@@ -18,8 +18,8 @@ from aiohttp import web
 
 from router.config.settings import parse_settings
 from router.model import Telemetry
-from router.policies.prefix_index import MIN_BLOCKS, PrefixIndex
-from router.policies.prefix_tuning import GROW, MIN_FACTOR, MIN_REQUESTS, SHRINK, TuningConfig, decide, tune
+from router.routing.prefix.index import MIN_BLOCKS, PrefixIndex
+from router.routing.prefix.tuning import GROW, MIN_FACTOR, MIN_REQUESTS, SHRINK, TuningConfig, decide, tune
 from router.server.app import RunningRouter, build_context, start_router
 from tests.test_prefix_aware import text
 from worker.sim.engine import EngineConfig, EngineCore

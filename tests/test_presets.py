@@ -224,7 +224,7 @@ def test_a_spec_from_a_preset_equals_the_same_policy_written_out() -> None:
 
 
 def _blocks() -> dict[str, str]:
-    from router.policies.registry import PolicyRegistry
+    from router.routing.policies.registry import PolicyRegistry
 
     return {p.name: p.config_key for p in PolicyRegistry().all()}
 

@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config.settings import parse_settings
-from router.policies.kv_block_index import chain_keys
+from router.routing.prefix.kv_block_index import chain_keys
 from router.server.access_log import AccessLog
 from router.server.app import RunningRouter, build_context, start_router
 from tests.real_vllm import (
@@ -233,7 +233,7 @@ async def test_openai_sdk_through_the_router_to_both_servers(client: openai.Asyn
 
 
 async def test_output_tokens_are_counted_from_real_vllm_answers(vllm: list[VllmServer]) -> None:
-    # The cost model learns each answer's output tokens (router/output_tokens.py): usage.completion_tokens
+    # The cost model learns each answer's output tokens (router/routing/output_tokens.py): usage.completion_tokens
     # when vLLM sends it, else the stream's events, or its text when vLLM merged steps into fewer events (this
     # tiny model on the CPU steps faster than vLLM's API server drains them, so it often does). With ignore_eos
     # every answer has exactly max_tokens tokens.

@@ -21,10 +21,10 @@ from redis.crc import key_slot
 
 from loadtest.redis_server import RedisServer
 from router.config.settings import ConfigError, parse_settings
+from router.routing.sticky import session_digest
 from router.runtime.metrics import RouterMetrics
 from router.runtime.redis_client import RedisSettings, SentinelSettings, connect
 from router.server.app import RunningRouter
-from router.sticky import session_digest
 from router.telemetry import RedisStore
 from tests.conftest import MODEL
 from tests.fake_engine import EngineLoad
@@ -331,7 +331,7 @@ async def test_pins_and_in_flight_counts_through_a_redis_cluster(make_engine, ma
     common = {"policies": STICKY, "redis": cluster_settings(redis_cluster), "telemetry": {"enabled": False}}
     a = await make_router(engines, seed=1, **common)
     b = await make_router(engines, seed=2, **common)
-    # Pins are stored under the session's digest (router/sticky.py): spread the digests' keys over the masters.
+    # Pins are stored under the session's digest (router/routing/sticky.py): spread the digests' keys over the masters.
     sessions = spread_ids(lambda s: f"fleetroute:v1:sticky:chat:{session_digest(s)}", 3, "sess")
     pinned = {s: await chat(http, a, s) for s in sessions}
     await pins_landed(a)
@@ -358,7 +358,7 @@ async def test_pins_and_in_flight_counts_through_a_redis_cluster(make_engine, ma
 
 async def test_the_prefix_index_is_shared_through_a_redis_cluster(make_engine, make_router, http, secrets,
                                                                   redis_cluster) -> None:  # noqa: F811
-    from router.prefix_sharing import stream_key
+    from router.routing.prefix.sharing import stream_key
     from tests.test_prefix_sharing import conversation
 
     name = unique("p")

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from router.prefix_sharing import ENDPOINT_FIELD, ROUTER_FIELD, stream_key
+from router.routing.prefix.sharing import ENDPOINT_FIELD, ROUTER_FIELD, stream_key
+from router.routing.shared_loads import LOADS_PREFIX, REPLICAS_KEY
+from router.routing.sticky import KEY_PREFIX as STICKY_PREFIX
+from router.routing.sticky import session_digest
 from router.server.app import RunningRouter
-from router.shared_loads import LOADS_PREFIX, REPLICAS_KEY
-from router.sticky import KEY_PREFIX as STICKY_PREFIX
-from router.sticky import session_digest
 from tests.conftest import MODEL
 from tests.redis_server import redis_url  # noqa: F401 - fixture
 from tests.test_prefix_sharing import BLOCK, conversation, policy

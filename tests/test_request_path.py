@@ -20,9 +20,9 @@ import pytest
 import redis.asyncio as aioredis
 from multidict import CIMultiDict
 
+from router.routing.sticky import session_digest
 from router.server.access_log import AccessLog
 from router.server.forwarding import Forwarding
-from router.sticky import session_digest
 from tests.conftest import MODEL
 from tests.redis_server import redis_url  # noqa: F401 - fixture
 from tests.test_auth import _post, _raw

@@ -87,7 +87,7 @@ def condition(kube: FakeKube, name: str, kind: str) -> dict[str, Any]:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_the_examples_pass_the_crd_schema_and_the_router(path: Path) -> None:
     from router.config.settings import _policy
-    from router.policies.registry import PolicyRegistry
+    from router.routing.policies.registry import PolicyRegistry
 
     obj = yaml.safe_load(path.read_text())
     assert FakeCRD().admit(obj) == []
@@ -169,7 +169,7 @@ def _file_policy(name: str, **entry: Any) -> Any:
 def _spec_policy(obj: dict[str, Any]) -> Any:
     """What the controller makes of an admitted object's spec (RoutingPolicyController._judge)."""
     from router.config.settings import _policy
-    from router.policies.registry import PolicyRegistry
+    from router.routing.policies.registry import PolicyRegistry
 
     spec = {k: v for k, v in obj["spec"].items() if k != "priority"}
     return _policy("spec", {**spec, "name": obj["metadata"]["name"]}, PolicyRegistry())
@@ -194,7 +194,7 @@ def test_the_crd_offers_exactly_the_routers_presets() -> None:
 @pytest.mark.parametrize("name", ["realtime-chat", "batch-generation", "rag-search"])
 def test_every_preset_is_a_valid_routing_policy_and_the_same_policy_as_in_the_file(name: str) -> None:
     from router.config import presets
-    from router.policies.registry import PolicyRegistry
+    from router.routing.policies.registry import PolicyRegistry
 
     crd = FakeCRD()
     by_name = policy("p", preset=name, models=["m"])
@@ -277,7 +277,7 @@ async def test_preset_routing_policies_route_as_the_same_file_policies(
 
 def _expanded(name: str) -> dict[str, Any]:
     from router.config import presets
-    from router.policies.registry import PolicyRegistry
+    from router.routing.policies.registry import PolicyRegistry
 
     blocks = {p.name: p.config_key for p in PolicyRegistry().all()}
     return presets.expand({"preset": name}, strategy_blocks=blocks)[0]
@@ -695,7 +695,7 @@ async def test_classes_with_priorities_rank_the_same_in_a_file_and_a_routing_pol
 
     from router.config.settings import load_settings
     from router.control.spec import policy_from_spec
-    from router.policies.registry import PolicyRegistry
+    from router.routing.policies.registry import PolicyRegistry
 
     classes = {"high": {"priority": 100, "deadline": "5s"}, "normal": {"priority": 50},
                "low": {"priority": 0, "deadline": "2m"}, "batch": {"priority": -10}}

@@ -19,8 +19,8 @@ from loadtest.scale.inputs import MODEL, build_fleet, endpoint_ids
 from loadtest.scale.micro import MicroSettings, run_micro, strategies
 from loadtest.scale.report import render_markdown, render_micro, write_plots
 from router.model import Endpoint, EndpointView, RequestInfo
-from router.policies.base import EventSink, LoadView
-from router.policies.registry import BUILTIN, PolicyRegistry
+from router.routing.policies.base import EventSink, LoadView
+from router.routing.policies.registry import BUILTIN, PolicyRegistry
 from router.runtime.redis_client import RedisSettings, connect
 from router.telemetry import RedisStore, TelemetryFeed
 from tests.redis_server import own_redis  # noqa: F401 - fixture

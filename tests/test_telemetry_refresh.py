@@ -15,11 +15,11 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.balancer import Balancer
 from router.config.settings import PolicySpec
-from router.loads import LoadTracker
 from router.model import Endpoint, RequestInfo, Telemetry
-from router.policies.registry import PolicyRegistry
+from router.routing.balancer import Balancer
+from router.routing.loads import LoadTracker
+from router.routing.policies.registry import PolicyRegistry
 from router.runtime.metrics import RouterMetrics
 
 STALE_AFTER = 5.0
@@ -85,7 +85,7 @@ def test_an_explanation_shows_the_rounds_telemetry_for_a_kept_pool():
     balancer, _metrics = make_balancer(clock)
     balancer.report_telemetry("e0", Telemetry(reported_at=clock.now, gpu_util=0.75))
     balancer.refresh_telemetry()
-    from router.policies.base import DecisionTrace
+    from router.routing.policies.base import DecisionTrace
     trace = DecisionTrace()
     balancer.pick(RequestInfo(model="a", request_id="r", headers={}, body={}), trace=trace)
     assert trace.candidates["e0"]["gpu_util"] == 0.75  # from the snapshot, not the kept pool's older view

@@ -24,12 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.balancer import Balancer
 from router.config.settings import PolicySpec
-from router.loads import LoadTracker
 from router.model import Endpoint, RequestInfo
-from router.policies.base import EventSink, Picker, Policy
-from router.policies.registry import PolicyRegistry
+from router.routing.balancer import Balancer
+from router.routing.loads import LoadTracker
+from router.routing.policies.base import EventSink, Picker, Policy
+from router.routing.policies.registry import PolicyRegistry
 from router.runtime.metrics import RouterMetrics
 from router.telemetry import to_telemetry
 from worker.protocol import EngineSample, GpuSample, TelemetryRecord, decode, encode

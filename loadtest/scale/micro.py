@@ -38,9 +38,9 @@ from typing import Any
 
 from loadtest.scale.inputs import MODEL, Fleet, build_fleet
 from router.model import RequestInfo
-from router.policies.base import PolicyConfigError
-from router.policies.prefix_aware import block_hashes
-from router.policies.registry import PolicyRegistry
+from router.routing.policies.base import PolicyConfigError
+from router.routing.policies.prefix_aware import block_hashes
+from router.routing.policies.registry import PolicyRegistry
 from router.telemetry import MemoryStore, TelemetryFeed, to_telemetry
 from worker.protocol import decode, encode
 

@@ -27,7 +27,6 @@ from redis.asyncio.connection import parse_url as parse_redis_url
 from router.config import presets
 from router.config.durations import parse_duration
 from router.config.redaction import redact_url
-from router.cost import CHARS_PER_TOKEN_RANGE, CostSettings
 from router.health.active import ActiveHealthSettings
 from router.health.breaker import BreakerSettings
 from router.health.outlier import OutlierSettings
@@ -35,11 +34,12 @@ from router.health.pool import HealthSettings
 from router.health.slow_start import SlowStartSettings
 from router.health.stall import StallSettings
 from router.model import Endpoint
-from router.policies.base import PolicyConfigError
-from router.policies.consistent_hash import HashKey, parse_key
-from router.policies.registry import PolicyRegistry
+from router.routing.cost import CHARS_PER_TOKEN_RANGE, CostSettings
+from router.routing.policies.base import PolicyConfigError
+from router.routing.policies.consistent_hash import HashKey, parse_key
+from router.routing.policies.registry import PolicyRegistry
+from router.routing.sticky import StickinessSettings
 from router.runtime.redis_client import RedisSettings, SentinelSettings
-from router.sticky import StickinessSettings
 
 if TYPE_CHECKING:  # parsed by their own modules, which build on this one's field reader
     from router.admission import AdmissionSettings
@@ -139,7 +139,7 @@ class PolicySpec:
     stickiness: StickinessSettings = StickinessSettings()
     health: HealthSettings = HealthSettings()
     admission: AdmissionSettings | None = None  # router.admission; None or no cap: admission off
-    cost: CostSettings | None = None  # router.cost: request cost estimates; None: none are made
+    cost: CostSettings | None = None  # router.routing.cost: request cost estimates; None: none are made
     # The preset the entry was expanded from (router.config.presets), or None. Where the settings came from, not
     # what they are: two specs that route alike are equal whether written out or from a preset.
     preset: str | None = field(default=None, compare=False)
@@ -227,7 +227,8 @@ class Settings:
     control: ControlSettings | None = None  # router.control: RoutingPolicy resources; None: file policies only
     explain: ExplainSettings | None = None  # router.server.explain: sampling and recent decisions; None: the defaults
     tenancy: TenancySettings | None = None  # router.tenants: tenants, fair sharing, budgets; None: no tenants
-    kv_events: Any = None  # router.kv_events.KVEventsSettings: engines' KV-cache events; None: not subscribed
+    # router.routing.prefix.kv_events.KVEventsSettings: engines' KV-cache events; None: not subscribed
+    kv_events: Any = None
     # Wedged engines (router/health/stall.py, router/server/rescue.py): for the router, not per policy, because an
     # engine stalls whichever policy sent it the request.
     stall: StallSettings = StallSettings()
@@ -966,7 +967,9 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     tracing = parse_tracing(top.sub("tracing")) if top.get("tracing") is not None else None
     kv_events = None
     if top.get("kvEvents") is not None:
-        from router.kv_events import parse_kv_events  # here, not on top: router.kv_events builds on this module
+        from router.routing.prefix.kv_events import (
+            parse_kv_events,  # here, not on top: router.routing.prefix.kv_events builds on this module
+        )
 
         kv_events = parse_kv_events(top.sub("kvEvents"))
     top.done()

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from router.config.settings import PolicySpec, _policy
-from router.policies.registry import PolicyRegistry
+from router.routing.policies.registry import PolicyRegistry
 
 
 def policy_from_spec(name: str, spec: Mapping[str, Any], registry: PolicyRegistry) -> tuple[int, PolicySpec]:

@@ -80,9 +80,9 @@ import aiohttp
 from kubernetes.aio import client, config, watch
 from kubernetes.aio.client.exceptions import ApiException
 
-from router.balancer import Balancer
 from router.config.settings import ConfigError, KubernetesDiscoverySettings
 from router.model import Endpoint, EndpointState
+from router.routing.balancer import Balancer
 from router.runtime.metrics import RouterMetrics
 from router.runtime.progress import Progress
 

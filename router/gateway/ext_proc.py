@@ -34,7 +34,7 @@ from router.config.settings import PolicySpec
 from router.gateway import protocol
 from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from router.prefill import Prefill
+from router.routing.prefill import Prefill
 from router.runtime.errors import error_response
 from router.server.context import RouterContext
 from router.server.handlers import REQUEST_ID

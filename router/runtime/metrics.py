@@ -453,7 +453,7 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
-        # Request cost prediction (router/cost.py): only policies that estimate costs.
+        # Request cost prediction (router/routing/cost.py): only policies that estimate costs.
         self.cost_outcomes = Counter(
             "fleetroute_cost_outcomes",
             "Requests with a cost estimate sent to an endpoint, by what the answer taught the output-length "
@@ -551,7 +551,7 @@ class RouterMetrics:
             registry=r,
         )
 
-        # KV-cache events from the engines (router/kv_events.py) and the precise prefix index they feed.
+        # KV-cache events from the engines (router/routing/prefix/kv_events.py) and the precise prefix index they feed.
         self.kv_events = Counter(
             "fleetroute_kv_events",
             "KV-cache events applied per endpoint, by type: stored / removed (blocks), cleared (AllBlocksCleared), "
@@ -590,7 +590,7 @@ class RouterMetrics:
             registry=r,
         )
 
-        # The prefix-aware index (router/policies/prefix_index.py), its tuning and its sharing through Redis.
+        # The prefix-aware index (router/routing/prefix/index.py), its tuning and its sharing through Redis.
         self.prefix_index_blocks = Gauge(
             "fleetroute_prefix_index_blocks",
             "Prompt blocks the prefix-aware index holds per endpoint (routed by this router or shared by others).",

@@ -16,7 +16,7 @@ Sentinel: redis-py's `Sentinel.master_for` asks the sentinels for the master's a
 connection, and a connection to a master that was demoted fails with a connection error; the caller's next
 round then reaches the new master. Cluster: `RedisCluster` routes each command to the node owning its key's
 slot. Keys that one command or one MULTI uses together carry a hash tag (`{...}`) so they share a slot
-(router/shared_loads.py); pipelines that span slots are non-transactional, and commands that redis-py does
+(router/routing/shared_loads.py); pipelines that span slots are non-transactional, and commands that redis-py does
 not pipeline in cluster mode (TIME, PUBLISH) are sent on their own.
 """
 

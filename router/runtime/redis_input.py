@@ -5,9 +5,9 @@ Whoever can write to the router's Redis can put anything under fleetroute's keys
 "Trust"). Each kind of value enters through one validating function in the module that uses it:
 
     telemetry record      router.telemetry.admit_record     fleetroute_telemetry_rejected_records_total{reason}
-    session pin           router.sticky.pinned_endpoint     fleetroute_redis_rejected_values_total{data,reason}
-    replica list, counts  router.shared_loads.live_replicas, replica_counts       (same)
-    prefix stream entry   router.prefix_sharing.entry_blocks                       (same)
+    session pin           router.routing.sticky.pinned_endpoint     fleetroute_redis_rejected_values_total{data,reason}
+    replica list, counts  router.routing.shared_loads.live_replicas, replica_counts       (same)
+    prefix stream entry   router.routing.prefix.sharing.entry_blocks                       (same)
     budget check's reply  router.budgets.check_reply                               (same)
 
 Each reads bytes (every client is binary, router/runtime/redis_client.py), checks the size before decoding, then the

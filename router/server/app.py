@@ -22,13 +22,15 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router.admission import Admission
-from router.balancer import Balancer
 from router.budgets import Budgets
 from router.config.settings import FALLBACK_POLICY, Settings
-from router.loads import LoadTracker
-from router.policies.registry import PolicyRegistry
-from router.prefix_sharing import PrefixSharing
-from router.prefix_upkeep import PrefixUpkeep, run_upkeep
+from router.routing.balancer import Balancer
+from router.routing.loads import LoadTracker
+from router.routing.policies.registry import PolicyRegistry
+from router.routing.prefix.sharing import PrefixSharing
+from router.routing.prefix.upkeep import PrefixUpkeep, run_upkeep
+from router.routing.shared_loads import SharedLoads, replica_id
+from router.routing.sticky import StickyTable
 from router.runtime.background import contained
 from router.runtime.errors import SERVER_NAME
 from router.runtime.metrics import RouterMetrics
@@ -54,8 +56,6 @@ from router.server.rescue import release_excluded, run_stall_checks
 from router.server.status.page import add_status_page
 from router.server.status.sessions import BrowserSessions
 from router.server.tracing import Tracing, TracingSettings, build_tracing
-from router.shared_loads import SharedLoads, replica_id
-from router.sticky import StickyTable
 from router.telemetry import EmbeddedCollection, MemoryStore, RedisStore, TelemetryFeed, run_feed
 
 if TYPE_CHECKING:
@@ -299,15 +299,15 @@ async def _prefix_upkeep(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _kv_events(app: web.Application) -> AsyncIterator[None]:
-    """The engines' KV-cache events (router/kv_events.py): one subscription per endpoint that has a source,
-    following membership, feeding the precise prefix index."""
+    """The engines' KV-cache events (router/routing/prefix/kv_events.py): one subscription per endpoint that has a
+    source, following membership, feeding the precise prefix index."""
     ctx = app[CONTEXT]
     settings = ctx.settings.kv_events
     if settings is None:
         yield
         return
-    from router.kv_events import KVEvents, load_tokenizer, run_kv_events
-    from router.policies.kv_block_index import KVBlockIndex
+    from router.routing.prefix.kv_block_index import KVBlockIndex
+    from router.routing.prefix.kv_events import KVEvents, load_tokenizer, run_kv_events
 
     index = KVBlockIndex(max_blocks=settings.max_blocks, tokenize=load_tokenizer(settings.tokenizer))
     events = ctx.kv_events = KVEvents(settings, index, ctx.metrics, clock=ctx.clock)

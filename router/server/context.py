@@ -18,16 +18,18 @@ import aiohttp
 from aiohttp import web
 
 from router.admission import Admission
-from router.balancer import Balancer
 from router.budgets import Budgets
 from router.config.settings import Settings
-from router.cost import CostModel
 from router.departures import EndpointStateOwner
 from router.health.stall import StallDetector
-from router.loads import LoadTracker
-from router.policies.registry import PolicyRegistry
-from router.prefix_upkeep import PrefixUpkeep
 from router.retry_budget import RetryBudget
+from router.routing.balancer import Balancer
+from router.routing.cost import CostModel
+from router.routing.loads import LoadTracker
+from router.routing.policies.registry import PolicyRegistry
+from router.routing.prefix.upkeep import PrefixUpkeep
+from router.routing.shared_loads import SharedLoads
+from router.routing.sticky import StickyTable
 from router.runtime.logs import RateLimitedLog
 from router.runtime.metrics import RouterMetrics
 from router.server.access_log import AccessLog
@@ -36,8 +38,6 @@ from router.server.forwarding import Forwarding
 from router.server.proxy import Proxy
 from router.server.status.history import StatusHistory
 from router.server.tracing import Tracing
-from router.shared_loads import SharedLoads
-from router.sticky import StickyTable
 from router.telemetry import EmbeddedCollection, TelemetryFeed
 
 if TYPE_CHECKING:  # imported only when Kubernetes discovery is configured (the client is heavy to import)
@@ -65,7 +65,8 @@ class RouterContext:
     budgets: Budgets | None = None  # tenants' budgets through Redis (app start-up to shutdown; router.budgets)
     budget_clock: Callable[[], float] | None = None  # budgets' wall clock (tests); None: the Redis server's
     sticky_redis: Any = None  # the Redis client session pins use (None without Redis)
-    kv_events: Any = None  # router.kv_events.KVEvents while KV events are configured (app start-up to shutdown)
+    # router.routing.prefix.kv_events.KVEvents while KV events are configured (app start-up to shutdown)
+    kv_events: Any = None
     prefix_upkeep: PrefixUpkeep | None = None  # prefix-aware tuning and sharing (app start-up to shutdown)
     telemetry_feed: TelemetryFeed | None = None  # while telemetry is read (app start-up to shutdown)
     telemetry_collection: EmbeddedCollection | None = None  # the router's own scrapes, without Redis

@@ -12,7 +12,7 @@ What is recorded (a `Decision`): the policy and strategy, stickiness (session pi
 overloaded / new), admission (class, time queued, shed), and one `Attempt` per endpoint tried: what the
 picker compared per candidate and why it chose (its `DecisionTrace`: loads, scores, prefix matches, ring
 steps, the sampled pair, the guard that tripped and its limit), the facts around the picker (telemetry age
-and values, slow-start weight, breaker state; router/balancer.py `annotate`), the endpoints left out of the
+and values, slow-start weight, breaker state; router/routing/balancer.py `annotate`), the endpoints left out of the
 pool and why (draining, health check, ejected, breaker open, GPU fault) or excluded for this attempt (it
 failed earlier, no half-open probe slot, at its admission cap), and the attempt's outcome.
 
@@ -48,7 +48,7 @@ from typing import Any
 import orjson
 
 from router.config.settings import Fields
-from router.policies.base import DecisionTrace
+from router.routing.policies.base import DecisionTrace
 from router.runtime.metrics import RouterMetrics
 
 log = logging.getLogger("fleetroute.decisions")

@@ -3,7 +3,7 @@
 
 One inference request: read the body (router/server/request_body.py: size, timeout, encodings, `Expect`), parse the
 JSON, check the model, name its tenant (router/tenants.py, with a `tenancy:` block), estimate its cost when
-the model's policy does or tenants are configured (router/cost.py), check its tenant's budgets
+the model's policy does or tenants are configured (router/routing/cost.py), check its tenant's budgets
 (router/budgets.py), queue it when its pool is saturated (router/admission.py), pick an endpoint
 through the policy, forward and stream (`proxy`), then count and log it, and teach the cost model the
 answer's output tokens. A connection failure (the request never left) is retried on another endpoint, up
@@ -28,10 +28,10 @@ from aiohttp import web
 from router.admission import AdmissionSettings
 from router.budgets import Verdict
 from router.config.redaction import redact_url
-from router.cost import CostEstimate, CostSettings, relative_error
 from router.model import EndpointState, EndpointView
-from router.output_tokens import OutputCounter
-from router.policies.base import MAX_LISTED, DecisionTrace
+from router.routing.cost import CostEstimate, CostSettings, relative_error
+from router.routing.output_tokens import OutputCounter
+from router.routing.policies.base import MAX_LISTED, DecisionTrace
 from router.runtime.errors import clip, error_response
 from router.server.connections import ClientConnection
 from router.server.context import CONTEXT, RouterContext
@@ -71,7 +71,7 @@ class Served:
     outcome: Outcome | None = None  # set once an endpoint answered
     attempts: int = 0
     failure: BaseException | None = None  # what interrupted the handler, if anything
-    estimate: CostEstimate | None = None  # policies that estimate request costs (router/cost.py)
+    estimate: CostEstimate | None = None  # policies that estimate request costs (router/routing/cost.py)
     cost_settings: CostSettings | None = None
     decision: Decision | None = None  # an explained request's routing record (router/server/explain.py)
     tenant: Tenant | None = None  # with a `tenancy:` block: the request's tenant (router/tenants.py)

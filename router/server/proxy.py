@@ -8,7 +8,7 @@
 - The request counts as in flight at its endpoint until the body ends (`LoadTracker.track`), with its
   predicted cost in tokens when it has one.
 - With an `OutputCounter` (requests with a cost estimate), every chunk is also shown to it, unchanged, so
-  the answer's output tokens are known at the end (router/output_tokens.py).
+  the answer's output tokens are known at the end (router/routing/output_tokens.py).
 - Timeouts: `connect`; `firstByte` until the response headers; `idle` between two body chunks.
 - The response head goes to the client with the answer's first body chunk, not before: until then nothing has
   reached the client, so a stream whose engine sent its head and then nothing (vLLM sends a stream's head at
@@ -52,10 +52,10 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.config.settings import ClientTimeouts, Timeouts
 from router.health.stall import StallDetector, Waiter
-from router.loads import LoadTracker
 from router.model import EndpointView
-from router.output_tokens import OutputCount, OutputCounter
-from router.prefill import Prefill
+from router.routing.loads import LoadTracker
+from router.routing.output_tokens import OutputCount, OutputCounter
+from router.routing.prefill import Prefill
 from router.runtime.errors import clip, error_response
 from router.runtime.logs import RateLimitedLog
 from router.runtime.metrics import RouterMetrics

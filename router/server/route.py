@@ -19,13 +19,13 @@ from typing import Any
 from aiohttp import web
 
 from router.config.settings import PolicySpec
-from router.cost import CostEstimate, CostSettings
 from router.model import EndpointView, RequestInfo
-from router.policies.base import DecisionTrace
-from router.policies.consistent_hash import load_bound
+from router.routing.cost import CostEstimate, CostSettings
+from router.routing.policies.base import DecisionTrace
+from router.routing.policies.consistent_hash import load_bound
+from router.routing.sticky import StickyTable
 from router.runtime.errors import clip, error_response
 from router.server.context import RouterContext
-from router.sticky import StickyTable
 from router.tenants import Tenant
 
 # Costs are estimated with the defaults for policies without a `cost:` block once tenants are configured: a
@@ -78,7 +78,7 @@ class Described:
 
     info: RequestInfo
     spec: PolicySpec
-    estimate: CostEstimate | None = None  # policies (or tenancy) that estimate request costs (router/cost.py)
+    estimate: CostEstimate | None = None  # policies (or tenancy) that estimate request costs (router/routing/cost.py)
     cost_settings: CostSettings | None = None
 
     @property

@@ -61,7 +61,7 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from router.policies.prefix_index import PrefixIndex
+from router.routing.prefix.index import PrefixIndex
 from router.runtime.metrics import RouterMetrics
 from router.runtime.redis_client import RedisClient
 from router.runtime.redis_input import Rejected, RejectionLog, text

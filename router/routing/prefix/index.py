@@ -1,11 +1,11 @@
 """The prefix index: per endpoint, an approximate, bounded picture of which prompt blocks its KV cache holds.
 
-What it stores: per endpoint, an LRU set of chained block hashes (router/policies/prefix_aware.py says how
+What it stores: per endpoint, an LRU set of chained block hashes (router/routing/policies/prefix_aware.py says how
 a prompt becomes hashes) that were routed there, by this router (`record`) or by other router replicas
-(`merge`, fed from Redis by router/prefix_sharing.py). It is an approximation of the engine's cache: the
+(`merge`, fed from Redis by router/routing/prefix/sharing.py). It is an approximation of the engine's cache: the
 engine evicts under its own memory pressure and the index never sees that, so each endpoint's LRU bound is
 sized to what the engine can hold and corrected by comparison with the engine's own hit rate
-(router/policies/prefix_tuning.py).
+(router/routing/prefix/tuning.py).
 
 The bound of an endpoint is `effective = base x factor`, where `base` is the configured bound or, with
 `maxBlocksPerEndpoint: auto`, the engine's KV capacity in router blocks (set at picker build from
@@ -55,7 +55,7 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self.by_endpoint: dict[str, OrderedDict[int, float]] = {}
-        # The router's KV-event index (router/policies/kv_block_index.py), set by the upkeep task when KV events
+        # The router's KV-event index (router/routing/prefix/kv_block_index.py), set by the upkeep task when KV events
         # are configured: `index: precise` matches on it for the engines that publish.
         self.engine_blocks: Any = None
         self.now = 0.0  # the upkeep clock; stamps compare against it

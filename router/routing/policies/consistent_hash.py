@@ -17,7 +17,7 @@ piling onto one GPU, while every other key keeps its endpoint. `total` counts re
 router replicas when they share Redis (`LoadView.cluster_in_flight`), this router's alone otherwise.
 
 The ring walk past a full owner is capped at MAX_BOUNDED_WALK endpoints, then the least-loaded endpoint
-(from the pool's load index, router/policies/load_index.py) takes the request; the pool's total in flight
+(from the pool's load index, router/routing/policies/load_index.py) takes the request; the pool's total in flight
 comes from that index too, so a bounded pick costs the same at 10 or 1,000 endpoints.
 
 The ring is built once per membership and kept in the pool state: rebuilds that keep the membership reuse
@@ -37,7 +37,7 @@ from typing import Any
 from uhashring import HashRing
 
 from router.model import EndpointView, RequestInfo
-from router.policies.base import (
+from router.routing.policies.base import (
     DecisionTrace,
     EventSink,
     LoadView,

@@ -5,7 +5,7 @@ that do not scan the pool.
 capacity), ties broken at random. Scanning a 1,000-endpoint pool for it costs about 0.8 ms per pick. Here
 the pool's endpoints sit in buckets keyed by their in-flight count, one bucket set per capacity scale (slow
 start x configured weight: all 1 usually, so one set), with the lowest non-empty count of each set kept as
-counts move. In-flight counts move by one per request start or end (router/loads.py tells every index that
+counts move. In-flight counts move by one per request start or end (router/routing/loads.py tells every index that
 holds the endpoint), so keeping the lowest count costs O(1); a pick looks at the lowest bucket of each scale
 set, so its cost depends on the number of distinct scales, not on the pool's size. A pool with more than
 MAX_SCALES distinct scales (many endpoints ramping up at once) gets no index and is scanned, exactly as

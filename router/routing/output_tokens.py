@@ -1,6 +1,6 @@
 """How many output tokens an answer had, read off the bytes the proxy streams through, without parsing them.
 
-Used only for requests with a cost estimate (router/cost.py learns from it). The proxy hands every chunk
+Used only for requests with a cost estimate (router/routing/cost.py learns from it). The proxy hands every chunk
 to `OutputCounter.feed` and, when the body ended normally, asks `finish` for the count; the bytes
 themselves are never changed, and only the first chunks (until two whole events) and the last two are held.
 
@@ -21,7 +21,7 @@ themselves are never changed, and only the first chunks (until two whole events)
   the event count is only a lower bound. `finish` therefore also estimates the bytes of generated text:
   the stream's bytes minus the non-token events minus the per-event envelope (an event's length minus its
   text, measured on the first and the last token events; the smaller is taken, the final event carrying
-  extra fields and an OpenAI-style first event the role). router/cost.py turns that into tokens with the
+  extra fields and an OpenAI-style first event the role). router/routing/cost.py turns that into tokens with the
   model's bytes per output token (learned from streams that carry usage) and prefers it when it exceeds
   the event count.
 

@@ -4,7 +4,7 @@ and how fast the endpoint has been getting through such work (measured, in token
 A request's time to first token is mostly the prefill queued ahead of it plus its own (vLLM schedules
 prefill first come, first served, in chunks of `max_num_batched_tokens`), and a request that hits the prefix
 cache brings only its uncached tokens. So `(pending + own uncached tokens) / speed` estimates the wait on
-each endpoint; prefix-aware's `selection: least-prefill` picks the smallest (router/policies/prefix_aware.py).
+each endpoint; prefix-aware's `selection: least-prefill` picks the smallest (router/routing/policies/prefix_aware.py).
 
 What a request adds is what its picker expected the endpoint to compute (`RequestInfo.note`); only pickers
 that estimate it set it, so with other policies nothing is booked. It leaves at the first byte of the body:

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError, ResponseError
 
 from router.model import EndpointView, RequestInfo
-from router.policies.base import LoadView
-from router.policies.consistent_hash import HashKey
+from router.routing.policies.base import LoadView
+from router.routing.policies.consistent_hash import HashKey
 from router.runtime.metrics import RouterMetrics
 from router.runtime.redis_client import RedisClient
 from router.runtime.redis_input import Rejected, RejectionLog, text

@@ -2,7 +2,7 @@
 
 Why. Requests differ hugely in cost: a 20-token question and a 30k-token document are one request each to
 a request counter. A policy that knows each request's expected cost can balance the *work* in flight
-(`loadUnit: tokens`, router/policies/) and admission can serve short requests first (router/admission.py).
+(`loadUnit: tokens`, router/routing/policies/) and admission can serve short requests first (router/admission.py).
 
 **The cost of one request**, in decode-token equivalents:
 
@@ -46,7 +46,7 @@ under-count skewed length distributions). Sessions matter because one client's a
 other (a summariser's are long, a classifier's short) far more than requests of the same shape do.
 
 Learning: a completed response (status 200, body ended normally) teaches its actual output token count
-(router/output_tokens.py: `usage.completion_tokens` when present, else the stream's token events, or,
+(router/routing/output_tokens.py: `usage.completion_tokens` when present, else the stream's token events, or,
 when vLLM merged steps into fewer events than tokens, the stream's text bytes over the model's bytes per
 output token, learned from streams that carry usage; `observed_output`). Requests
 cut short (client gone, timeouts, errors) teach nothing: their counts are lower bounds that would bias the
@@ -68,8 +68,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.model import RequestCost, RequestInfo
-from router.output_tokens import OutputCount
-from router.policies.consistent_hash import HashKey
+from router.routing.output_tokens import OutputCount
+from router.routing.policies.consistent_hash import HashKey
 
 MESSAGE_TOKENS = 4  # chat template tokens per message (role header and end marker; Llama 3 uses 5, Qwen 4)
 PART_TOKENS = 576  # a non-text content part (an image)
@@ -312,7 +312,7 @@ def _choices(body: Mapping[str, Any]) -> int:
 def prompt_size(body: Mapping[str, Any], kind: str) -> tuple[int, int, int, bool]:
     """(text characters, tokens counted exactly, prompts, text only) of a request's prompt.
 
-    Walks the same structure as router/prompt.py renders, but sums lengths instead of building text.
+    Walks the same structure as router/routing/prefix/prompt.py renders, but sums lengths instead of building text.
     Token-id lists are measured by `len` after looking at their first element only.
     """
     if kind == "chat":

@@ -52,7 +52,7 @@ import zmq.asyncio
 
 from router.config.settings import ConfigError, Fields
 from router.model import Endpoint
-from router.policies.kv_block_index import DEFAULT_MAX_BLOCKS, KVBlockIndex
+from router.routing.prefix.kv_block_index import DEFAULT_MAX_BLOCKS, KVBlockIndex
 from router.runtime.background import contained
 from router.runtime.metrics import RouterMetrics
 

@@ -1,7 +1,7 @@
 """The precise prefix index: which engine holds which KV block, as the engines themselves report it.
 
-vLLM (and the simulator) publish KV-cache events (router/kv_events.py decodes them): `BlockStored` carries the
-engine's hashes of a run of new full blocks, the hash of the block they hang from, their token ids and the
+vLLM (and the simulator) publish KV-cache events (router/routing/prefix/kv_events.py decodes them): `BlockStored`
+carries the engine's hashes of a run of new full blocks, the hash of the block they hang from, their token ids and the
 block size; `BlockRemoved` names evicted hashes; `AllBlocksCleared` empties the cache. This module turns them
 into an inverted index, block key -> engines holding it, that a pick reads.
 
@@ -19,12 +19,12 @@ event was lost) cannot be keyed and is counted as an orphan.
 What matches exactly: requests whose token ids the router knows, i.e. a completions `prompt` given as token
 ids, or a text prompt with a tokenizer configured (`kvEvents.tokenizer`, the model's `tokenizer.json`).
 Chat messages would need the model's chat template as well; they, and any request without a tokenizer, use
-the approximate index (router/policies/prefix_index.py), as do engines that publish nothing or whose stream
+the approximate index (router/routing/prefix/index.py), as do engines that publish nothing or whose stream
 is being resynchronised.
 
 State per engine: the last sequence number, its block size, the engine-hash -> key table (insertion order:
 the oldest go first when the cap is reached) and whether it is `precise` now. The subscriber
-(router/kv_events.py) decides that: an engine is precise while its stream is unbroken since the engine
+(router/routing/prefix/kv_events.py) decides that: an engine is precise while its stream is unbroken since the engine
 started (sequence 0) or since a resync's warm-up passed; after a gap its blocks are dropped and the
 approximate index answers for it until the warm-up has passed.
 
@@ -150,7 +150,7 @@ class KVBlockIndex:
         return engine
 
     def apply(self, endpoint_id: str, events: list[Any]) -> Applied:
-        """Apply one batch's decoded events (router/kv_events.py `Stored`, `Removed`, `Cleared`) in order."""
+        """Apply one batch's decoded events (prefix/kv_events.py `Stored`, `Removed`, `Cleared`) in order."""
         engine = self.engine(endpoint_id)
         stored = removed = cleared = orphans = evicted = 0
         for event in events:

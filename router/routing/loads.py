@@ -4,15 +4,15 @@ A request counts from the moment it is sent until its response *body* ends (or f
 headers arrive: a streaming completion is load on the engine until its last token (tower's
 `TrackCompletion`). Only the event loop touches these counts, so they need no lock.
 
-A request with a cost estimate (router/cost.py; only for policies that make them) also adds its predicted
+A request with a cost estimate (router/routing/cost.py; only for policies that make them) also adds its predicted
 cost to its endpoint's in-flight cost for as long as it counts, and to a running mean of request costs that
 turns tokens back into request-equivalents (`loadUnit: tokens` in the adaptive policy). Requests without an
 estimate add nothing there, and with no estimates anywhere this costs one comparison per request.
 
 A request whose picker expected the endpoint to compute some prompt tokens (prefix-aware's least-prefill)
-books them as pending prefill until its first byte (router/prefill.py), which also times the endpoint.
+books them as pending prefill until its first byte (router/routing/prefill.py), which also times the endpoint.
 
-Each routing pool (one per model) may have a `LoadIndex` (router/policies/load_index.py): its endpoints
+Each routing pool (one per model) may have a `LoadIndex` (router/routing/policies/load_index.py): its endpoints
 ordered by in-flight count, moved here at every count change, so least-load picks do not scan the pool. The
 balancer sets them at each rebuild (`set_pools`); a picker finds its pool's by the pool's tuple
 (`load_index`).
@@ -30,8 +30,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from router.model import EndpointView
-from router.policies.load_index import LoadIndex
-from router.prefill import Prefill, PrefillBook
+from router.routing.policies.load_index import LoadIndex
+from router.routing.prefill import Prefill, PrefillBook
 from router.runtime.metrics import RouterMetrics
 
 # The mean request cost is exact over the first requests, then an EWMA over about this many.

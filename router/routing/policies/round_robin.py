@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.model import EndpointView, RequestInfo
-from router.policies.base import DecisionTrace, EventSink, LoadView, reject_unknown
+from router.routing.policies.base import DecisionTrace, EventSink, LoadView, reject_unknown
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.model import COUNT_SIGNALS, FRACTION_SIGNALS, EndpointView, RequestInfo
-from router.policies.base import (
+from router.routing.policies.base import (
     DecisionTrace,
     EventSink,
     LoadView,
@@ -58,7 +58,7 @@ from router.policies.base import (
     reject_unknown,
     whole_number,
 )
-from router.policies.prefix_aware import (
+from router.routing.policies.prefix_aware import (
     GuardLimits,
     Matcher,
     PrefixAwareConfig,
@@ -67,8 +67,8 @@ from router.policies.prefix_aware import (
     remember,
     size_index,
 )
-from router.policies.prefix_index import PrefixIndex
-from router.policies.scorers import clamp, free_fraction, neutral_fill, queue_free
+from router.routing.policies.scorers import clamp, free_fraction, neutral_fill, queue_free
+from router.routing.prefix.index import PrefixIndex
 
 TELEMETRY_SCORERS = {"gpu": "gpu_util", "memory": "kv_cache_usage", "queue": "num_waiting"}  # default signals
 SCORERS = (*TELEMETRY_SCORERS, "load", "prefix")
@@ -90,7 +90,7 @@ class Scorer:
 
 @dataclass(frozen=True)
 class LoadGuard:
-    """The composite's filter; the fields mean what prefix-aware's guards mean (router/policies/prefix_aware.py)."""
+    """The composite's filter; the fields mean what prefix-aware's guards mean (policies/prefix_aware.py)."""
 
     max_in_flight: int | None = None
     max_imbalance: int | None = None

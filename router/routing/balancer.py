@@ -28,12 +28,12 @@ from router.config.settings import PolicySpec, default_policy
 from router.departures import Departures
 from router.health.gpu import GpuHealth
 from router.health.pool import PoolHealth
-from router.loads import LoadTracker
 from router.model import Endpoint, EndpointState, EndpointView, RequestInfo, Snapshot, Telemetry
-from router.policies.base import MAX_LISTED, DecisionTrace, Picker
-from router.policies.registry import PolicyRegistry
+from router.routing.loads import LoadTracker
+from router.routing.policies.base import MAX_LISTED, DecisionTrace, Picker
+from router.routing.policies.registry import PolicyRegistry
+from router.routing.sticky import within_load_bound
 from router.runtime.metrics import RouterMetrics
-from router.sticky import within_load_bound
 
 log = logging.getLogger("fleetroute.balancer")
 

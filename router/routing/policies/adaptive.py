@@ -26,11 +26,11 @@ Sampling two candidates rather than taking the global argmax keeps router replic
 telemetry from herding onto one GPU (Mitzenmacher's power of two choices; Envoy least_request, Finagle P2C).
 
 With `loadUnit: tokens` the load is counted in request-equivalents of predicted cost instead of requests:
-`in_flight_cost / mean_request_cost` (router/cost.py; the mean over the requests this router started
+`in_flight_cost / mean_request_cost` (router/routing/cost.py; the mean over the requests this router started
 recently), so a router holding one 30k-token document at an endpoint counts it as the tens of average
 requests it is, while `maxQueue` keeps its meaning. The engine's reported queue stays a request count.
 
-adaptive is the composite strategy (router/policies/composite.py) with three telemetry scorers.
+adaptive is the composite strategy (router/routing/policies/composite.py) with three telemetry scorers.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.model import COUNT_SIGNALS, FRACTION_SIGNALS, EndpointView
-from router.policies.base import (
+from router.routing.policies.base import (
     EventSink,
     PolicyConfigError,
     finite_number,
@@ -49,7 +49,7 @@ from router.policies.base import (
     reject_unknown,
     whole_number,
 )
-from router.policies.composite import MAX_QUEUE, PICKS, CompositeConfig, CompositePicker, Scorer, parse_choices
+from router.routing.policies.composite import MAX_QUEUE, PICKS, CompositeConfig, CompositePicker, Scorer, parse_choices
 
 DEFAULT_WEIGHTS = {"gpu": 0.6, "memory": 0.3, "queue": 0.1}
 # Which telemetry signal feeds each term. "memory" is the KV cache, not GPU memory: vLLM pre-allocates

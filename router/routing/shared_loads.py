@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from redis.exceptions import RedisError, ResponseError
 
-from router.loads import LoadTracker
+from router.routing.loads import LoadTracker
 from router.runtime.metrics import RouterMetrics
 from router.runtime.redis_client import RedisClient
 from router.runtime.redis_input import MAX_CLOCK_SKEW, Rejected, RejectionLog, bounded_int, text

@@ -8,7 +8,7 @@ is not drained into its first endpoint.
 Each router replica only sees its own traffic; with many replicas the counts are a sample of the
 truth, which is still a good signal for streaming LLM requests that last seconds.
 
-`loadUnit: tokens` weighs each in-flight request by its predicted cost (router/cost.py:
+`loadUnit: tokens` weighs each in-flight request by its predicted cost (router/routing/cost.py:
 `prefillWeight * prompt_tokens + predicted output tokens`) and picks the least *work* in flight, so one
 30k-token document counts for what it is rather than as one more request. The default, `requests`, is
 the plain count.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.model import EndpointView, RequestInfo
-from router.policies.base import (
+from router.routing.policies.base import (
     DecisionTrace,
     EventSink,
     LoadView,

@@ -4,10 +4,10 @@ Every `UPKEEP_INTERVAL` (250 ms), for each pool with a prefix index (the prefix-
 with a prefix scorer):
 
 1. the index clock (`PrefixIndex.now`, the stamp of recorded blocks) is set;
-2. tuning (router/policies/prefix_tuning.py) compares, per endpoint, the hit rate the index claimed with the
+2. tuning (router/routing/prefix/tuning.py) compares, per endpoint, the hit rate the index claimed with the
    engine's own (telemetry) over the last window and moves the endpoint's bound; each change is logged and
    counted, and both hit rates are exported (`fleetroute_prefix_cache_hit_rate{source}`);
-3. with Redis, the index is exchanged with the other replicas (router/prefix_sharing.py);
+3. with Redis, the index is exchanged with the other replicas (router/routing/prefix/sharing.py);
 4. index sizes and bounds are exported per endpoint (series of endpoints that left are removed).
 
 Endpoints that leave the fleet are forgotten by each index (`PrefixIndex.forget_endpoints`, from the balancer)
@@ -25,13 +25,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.balancer import Balancer
 from router.config.settings import PolicySpec
-from router.policies.kv_block_index import KVBlockIndex
-from router.policies.prefix_aware import PrefixAwareConfig
-from router.policies.prefix_index import PrefixIndex
-from router.policies.prefix_tuning import WindowResult, tune
-from router.prefix_sharing import PrefixSharing, SharedPool, stream_key
+from router.routing.balancer import Balancer
+from router.routing.policies.prefix_aware import PrefixAwareConfig
+from router.routing.prefix.index import PrefixIndex
+from router.routing.prefix.kv_block_index import KVBlockIndex
+from router.routing.prefix.sharing import PrefixSharing, SharedPool, stream_key
+from router.routing.prefix.tuning import WindowResult, tune
 from router.runtime.background import contained
 from router.runtime.metrics import RouterMetrics
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from router.model import EndpointView, RequestInfo
-from router.policies.load_index import LoadIndex
+from router.routing.policies.load_index import LoadIndex
 
 
 class PolicyConfigError(ValueError):
@@ -47,7 +47,7 @@ class LoadView(Protocol):
         ...
 
     def in_flight_cost(self, endpoint_id: str) -> float:
-        """The predicted cost in tokens of this router's in-flight requests at the endpoint (router/cost.py;
+        """The predicted cost in tokens of this router's in-flight requests at the endpoint (router/routing/cost.py;
         requests without an estimate count 0). Local only, like `in_flight`."""
         ...
 
@@ -58,7 +58,7 @@ class LoadView(Protocol):
 
     def pending_prefill(self, endpoint_id: str) -> float:
         """Prompt tokens this router expects the endpoint still to compute: booked by least-prefill picks,
-        gone at the answer's first byte (router/prefill.py). Local only, like `in_flight`."""
+        gone at the answer's first byte (router/routing/prefill.py). Local only, like `in_flight`."""
         ...
 
     def prefill_speed(self, endpoint_id: str) -> float | None:
@@ -228,7 +228,7 @@ def least_loaded(
     plain count); ties broken at random, never by list order.
 
     Shared by least-connections and by the fallbacks of the other strategies. When `loads` keeps an index of
-    exactly this pool (router/policies/load_index.py) the pick reads it instead of scanning: same choice rule,
+    exactly this pool (router/routing/policies/load_index.py) the pick reads it instead of scanning: same choice rule,
     cost independent of the pool's size.
     """
     index = pool_index(loads, views)

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from router.model import Telemetry
-from router.policies.prefix_index import PrefixIndex
+from router.routing.prefix.index import PrefixIndex
 
 SHRINK = 0.7
 GROW = 1.25

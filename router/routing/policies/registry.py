@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from router.policies.adaptive import AdaptivePolicy
-from router.policies.base import Policy
-from router.policies.composite import CompositePolicy
-from router.policies.consistent_hash import ConsistentHashPolicy
-from router.policies.least_connections import LeastConnectionsPolicy
-from router.policies.prefix_aware import PrefixAwarePolicy
-from router.policies.round_robin import RoundRobinPolicy
+from router.routing.policies.adaptive import AdaptivePolicy
+from router.routing.policies.base import Policy
+from router.routing.policies.composite import CompositePolicy
+from router.routing.policies.consistent_hash import ConsistentHashPolicy
+from router.routing.policies.least_connections import LeastConnectionsPolicy
+from router.routing.policies.prefix_aware import PrefixAwarePolicy
+from router.routing.policies.round_robin import RoundRobinPolicy
 
 BUILTIN: tuple[Policy, ...] = (
     RoundRobinPolicy(),

@@ -8,17 +8,17 @@ cache-aware routers (SGLang router, llm-d, GKE Inference Gateway: 1.6-2.3x throu
 come from this, and so do their failure modes: pure affinity piles a popular prefix onto one replica.
 
 How a request is hashed (no tokenizer on the router): the prompt is rendered to text deterministically
-(router/prompt.py), chat `messages` as `role` + content in order (so turn n+1 of a conversation starts with
-the exact text of turn n) and completions `prompt` as itself, then cut into fixed `blockChars` blocks (256
+(router/routing/prefix/prompt.py), chat `messages` as `role` + content in order (so turn n+1 of a conversation
+starts with the exact text of turn n) and completions `prompt` as itself, then cut into fixed `blockChars` blocks (256
 chars is about 64 tokens of English). Block i's hash is `blake2b(hash(i-1) || block i)`, a chain, so one
 hash names a whole prefix, as vLLM's block hashes do. Only full blocks are hashed (engines cache only full
 blocks) and at most `maxBlocks` per request, so the work per pick is bounded (64 x 256 chars = 16 KiB).
 
-The index (router/policies/prefix_index.py): per endpoint, an LRU of the block hashes routed there, by this
-router and, through Redis, by the other replicas (router/prefix_sharing.py). Its bound per endpoint is the
+The index (router/routing/prefix/index.py): per endpoint, an LRU of the block hashes routed there, by this
+router and, through Redis, by the other replicas (router/routing/prefix/sharing.py). Its bound per endpoint is the
 engine's KV capacity in router blocks (`maxBlocksPerEndpoint: auto`, from `vllm:cache_config_info` via
 telemetry; 32768 while unknown), or a configured number, times the tuner's factor
-(router/policies/prefix_tuning.py), which shrinks it when the index claims more hits than the engine
+(router/routing/prefix/tuning.py), which shrinks it when the index claims more hits than the engine
 reports. It lives in the pool state, so rebuilds keep it.
 
 Choice, per request:
@@ -39,7 +39,7 @@ its first token is expected soonest, so a cached prefix is worth exactly the pre
     choice      = argmin wait, ties to the least loaded (then at random)
 
 `pending(e)` is the prefill this router has sent to e that has not produced a first token yet and `speed(e)`
-e's measured prefill speed in tokens/s (router/prefill.py; before e is measured, the measured ones' mean per
+e's measured prefill speed in tokens/s (router/routing/prefill.py; before e is measured, the measured ones' mean per
 unit of capacity weight times e's weight), times its slow-start factor. No threshold decides between
 affinity and load: a hit saves its prefix's prefill, and a queue of other prompts' prefill costs the same
 tokens. Guards, when
@@ -82,7 +82,7 @@ from typing import Any, Protocol
 
 from router.config.durations import parse_duration
 from router.model import EndpointView, RequestInfo
-from router.policies.base import (
+from router.routing.policies.base import (
     DecisionTrace,
     EventSink,
     LoadView,
@@ -93,10 +93,10 @@ from router.policies.base import (
     reject_unknown,
     scaled_load,
 )
-from router.policies.kv_block_index import KVBlockIndex, chain_keys, request_token_ids
-from router.policies.prefix_index import FALLBACK_BLOCKS, MIN_BLOCKS, PrefixIndex
-from router.policies.prefix_tuning import TuningConfig
-from router.prompt import prompt_length, prompt_pieces
+from router.routing.prefix.index import FALLBACK_BLOCKS, MIN_BLOCKS, PrefixIndex
+from router.routing.prefix.kv_block_index import KVBlockIndex, chain_keys, request_token_ids
+from router.routing.prefix.prompt import prompt_length, prompt_pieces
+from router.routing.prefix.tuning import TuningConfig
 
 CHARS_PER_TOKEN = 4  # English text in Llama-3-class BPE vocabularies; sizing only, so a rough figure
 SELECTIONS = ("longest-match", "least-prefill")
@@ -136,7 +136,7 @@ class PrefixAwareConfig:
     # token (queued and uncached prefill over measured speed).
     selection: str = "longest-match"
     # approximate: where this router (and its peers) sent each prefix; precise: what each engine's KV events
-    # say it holds (router/kv_events.py), the approximate index answering for engines without events.
+    # say it holds (router/routing/prefix/kv_events.py), the approximate index answering for engines without events.
     index: str = "approximate"
     sharing: SharingConfig = field(default_factory=SharingConfig)
     tuning: TuningConfig = field(default_factory=TuningConfig)
@@ -153,7 +153,8 @@ def prompt_blocks(body: Mapping[str, Any], block_chars: int, max_blocks: int) ->
     """Chained hashes of the first full `block_chars`-sized blocks of the rendered prompt (at most
     `max_blocks`), and the length of the whole prompt's text in chars. Stable across processes (blake2b,
     not Python's salted `hash`). Rendering stops once the blocks are covered; the rest is only measured
-    (router/prompt.py `prompt_length`), so a huge prompt or a multi-megabyte image part costs no rendering."""
+    (router/routing/prefix/prompt.py `prompt_length`), so a huge prompt or a multi-megabyte image part costs no
+    rendering."""
     limit = block_chars * max_blocks
     parts: list[str] = []
     rendered = 0
@@ -303,7 +304,7 @@ def remember(index: PrefixIndex, endpoint_id: str, hashes: list[int], prompt_cha
 class Matcher:
     """One pick's match counts, in the approximate index's blocks (`prompt_blocks`), so every selection rule and
     guard reads them alike. With `index: precise`, an engine whose KV events are complete answers from the
-    KV-event index on the request's token ids (when the router knows them: router/policies/kv_block_index.py);
+    KV-event index on the request's token ids (when the router knows them: router/routing/prefix/kv_block_index.py);
     its matched tokens become the same share of the prompt in router blocks. Every other engine, and every
     request whose token ids are unknown, answers from the approximate index."""
 
