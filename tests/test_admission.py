@@ -18,12 +18,12 @@ from typing import Any
 import orjson
 import pytest
 
-from router.admission import AdmissionSettings, Pool, PriorityClass
 from router.config.settings import ConfigError, parse_settings
 from router.model import EndpointState, RequestInfo
 from router.runtime.logs import JsonFormatter
 from router.server.app import build_context
 from router.server.context import RouterContext
+from router.traffic.admission import AdmissionSettings, Pool, PriorityClass
 from tests.conftest import MODEL
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -676,7 +676,7 @@ def test_shortest_first_queue_keeps_its_order_through_many_removals_from_the_mid
     # greatest live keys, with put-back waiters (woken, then requeued) keeping their place.
     import random
 
-    from router.admission import _ByKey
+    from router.traffic.admission import _ByKey
 
     class Waiter:  # what the queue reads of a waiter: its fixed key (and identity)
         def __init__(self, key: tuple[float, int]) -> None:

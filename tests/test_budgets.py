@@ -1,4 +1,4 @@
-"""Tenant budgets (router/budgets.py) on a real Redis: the sliding window exact at its edge, tokens charged at
+"""Tenant budgets (router/traffic/budgets.py) on a real Redis: the sliding window exact at its edge, tokens charged at
 admission and from the answer, refunds, two router replicas sharing one budget, Redis Cluster hash tags, and
 what happens while Redis is down (fail-open, fail-closed).
 
@@ -20,13 +20,13 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from router.budgets import Budgets, budget_keys, check_reply, openai_duration
 from router.config.settings import parse_settings
 from router.runtime.metrics import RouterMetrics
 from router.runtime.redis_client import RedisSettings, connect
 from router.runtime.redis_input import Rejected
 from router.server.app import RunningRouter, build_context, start_router
-from router.tenants import TenancySettings, Tenant
+from router.traffic.budgets import Budgets, budget_keys, check_reply, openai_duration
+from router.traffic.tenants import TenancySettings, Tenant
 from tests.conftest import MODEL, router_config
 from tests.redis_server import PASSWORD, own_redis, redis_cluster, redis_url  # noqa: F401 - fixtures
 

@@ -13,7 +13,7 @@ Every case says what both do: ACCEPT or REFUSE. The exceptions are listed with a
   docs/kubernetes.md.
 
 The cases were found by walking the router's parser (router/config/settings.py `_policy`, `_health`, `_stickiness`,
-`_cost`, router/admission.py `parse_admission`, each strategy's `parse`, router/config/presets.py `expand`) refusal by
+`_cost`, router/traffic/admission.py `parse_admission`, each strategy's `parse`, router/config/presets.py `expand`) refusal by
 refusal: each `raise` there has at least one REFUSE (or ROUTER_ONLY) case here.
 """
 

@@ -1,4 +1,4 @@
-"""Fair sharing between tenants inside an admission class (router/fair_queue.py, router/admission.py).
+"""Fair sharing between tenants inside an admission class (router/traffic/fair_queue.py, router/traffic/admission.py).
 
 The simulation drives a saturated pool's admission queue directly, with a fake clock and seeded arrivals: a
 heavy tenant sends five times its share against a light tenant that asks for half of its own, and the light
@@ -20,11 +20,11 @@ from typing import Any
 import orjson
 import pytest
 
-from router.admission import Pool
 from router.config.settings import parse_settings
 from router.model import RequestInfo
 from router.server.app import build_context
 from router.server.context import RouterContext
+from router.traffic.admission import Pool
 from tests.conftest import MODEL
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

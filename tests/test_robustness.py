@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from router.config.settings import ConfigError, parse_settings
-from router.retry_budget import RetryBudget
+from router.traffic.retry_budget import RetryBudget
 from tests.conftest import MODEL
 from worker.protocol import EngineSample, GpuSample, TelemetryRecord, decode, encode
 

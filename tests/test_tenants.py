@@ -14,7 +14,7 @@ import pytest
 
 from router.config.settings import ConfigError, parse_settings
 from router.server import auth
-from router.tenants import DEFAULT_TENANT, TenancySettings, Tenant
+from router.traffic.tenants import DEFAULT_TENANT, TenancySettings, Tenant
 from tests.conftest import MODEL
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there, how are you today?"}]}

@@ -42,12 +42,12 @@ from router.routing.sticky import StickinessSettings
 from router.runtime.redis_client import RedisSettings, SentinelSettings
 
 if TYPE_CHECKING:  # parsed by their own modules, which build on this one's field reader
-    from router.admission import AdmissionSettings
     from router.control import ControlSettings
     from router.server.auth import AuthSettings
     from router.server.explain import ExplainSettings
     from router.server.tracing import TracingSettings
-    from router.tenants import TenancySettings
+    from router.traffic.admission import AdmissionSettings
+    from router.traffic.tenants import TenancySettings
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_ADMIN_CONNECTIONS = 64  # kubelet probes and a few Prometheus scrapers need a handful
@@ -138,7 +138,7 @@ class PolicySpec:
     retries: Retries = Retries()
     stickiness: StickinessSettings = StickinessSettings()
     health: HealthSettings = HealthSettings()
-    admission: AdmissionSettings | None = None  # router.admission; None or no cap: admission off
+    admission: AdmissionSettings | None = None  # router.traffic.admission; None or no cap: admission off
     cost: CostSettings | None = None  # router.routing.cost: request cost estimates; None: none are made
     # The preset the entry was expanded from (router.config.presets), or None. Where the settings came from, not
     # what they are: two specs that route alike are equal whether written out or from a preset.
@@ -226,7 +226,7 @@ class Settings:
     discovery: DiscoverySettings = DiscoverySettings()
     control: ControlSettings | None = None  # router.control: RoutingPolicy resources; None: file policies only
     explain: ExplainSettings | None = None  # router.server.explain: sampling and recent decisions; None: the defaults
-    tenancy: TenancySettings | None = None  # router.tenants: tenants, fair sharing, budgets; None: no tenants
+    tenancy: TenancySettings | None = None  # router.traffic.tenants: tenants, fair sharing, budgets; None: no tenants
     # router.routing.prefix.kv_events.KVEventsSettings: engines' KV-cache events; None: not subscribed
     kv_events: Any = None
     # Wedged engines (router/health/stall.py, router/server/rescue.py): for the router, not per policy, because an
@@ -484,7 +484,9 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     r.done()
     health = _health(f)
     stickiness = _stickiness(f.sub("stickiness"))
-    from router.admission import parse_admission  # here, not on top: router.admission builds on this module
+    from router.traffic.admission import (
+        parse_admission,  # here, not on top: router.traffic.admission builds on this module
+    )
 
     admission = parse_admission(f.sub("admission"))
     needed_by = None
@@ -944,7 +946,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     workers = top.integer("workers", 1, minimum=1, maximum=256)
     shutdown_grace = top.duration("shutdownGrace", Settings.shutdown_grace)
     drain_connections = _drain_connections(top, shutdown_grace)
-    from router.tenants import DEFAULT_TENANT, parse_tenancy  # here, not on top: it builds on this module
+    from router.traffic.tenants import DEFAULT_TENANT, parse_tenancy  # here, not on top: it builds on this module
 
     tenancy = parse_tenancy(top.sub("tenancy")) if top.get("tenancy") is not None else None
     if tenancy is not None and tenancy.budgets and not redis.enabled:

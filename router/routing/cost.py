@@ -2,7 +2,8 @@
 
 Why. Requests differ hugely in cost: a 20-token question and a 30k-token document are one request each to
 a request counter. A policy that knows each request's expected cost can balance the *work* in flight
-(`loadUnit: tokens`, router/routing/policies/) and admission can serve short requests first (router/admission.py).
+(`loadUnit: tokens`, router/routing/policies/) and admission can serve short requests first
+(router/traffic/admission.py).
 
 **The cost of one request**, in decode-token equivalents:
 

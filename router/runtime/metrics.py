@@ -363,7 +363,7 @@ class RouterMetrics:
             "for policies that read telemetry, over the pools the last rebuild admitted.",
             registry=r,
         )
-        # Admission control (router/admission.py): only policies with admission.maxConcurrentPerEndpoint.
+        # Admission control (router/traffic/admission.py): only policies with admission.maxConcurrentPerEndpoint.
         self.admission_queue_depth = Gauge(
             "fleetroute_admission_queue_depth",
             "Requests waiting in a model's admission queue for a free endpoint slot, by model and priority class.",
@@ -392,7 +392,7 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        # Tenants (router/tenants.py, router/fair_queue.py, router/budgets.py): only with a `tenancy:` block. The
+        # Tenants (router/traffic/tenants.py, fair_queue.py, budgets.py): only with a `tenancy:` block. The
         # tenant label holds names from the configuration only, never a client's string.
         self.tenant_admitted = Counter(
             "fleetroute_tenant_admitted",

@@ -8,7 +8,7 @@ Whoever can write to the router's Redis can put anything under fleetroute's keys
     session pin           router.routing.sticky.pinned_endpoint     fleetroute_redis_rejected_values_total{data,reason}
     replica list, counts  router.routing.shared_loads.live_replicas, replica_counts       (same)
     prefix stream entry   router.routing.prefix.sharing.entry_blocks                       (same)
-    budget check's reply  router.budgets.check_reply                               (same)
+    budget check's reply  router.traffic.budgets.check_reply                       (same)
 
 Each reads bytes (every client is binary, router/runtime/redis_client.py), checks the size before decoding, then the
 type and the range, and raises `Rejected(reason, detail)`. The caller passes that to a `RejectionLog`, which

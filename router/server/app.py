@@ -21,8 +21,6 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.admission import Admission
-from router.budgets import Budgets
 from router.config.settings import FALLBACK_POLICY, Settings
 from router.routing.balancer import Balancer
 from router.routing.loads import LoadTracker
@@ -57,6 +55,8 @@ from router.server.status.page import add_status_page
 from router.server.status.sessions import BrowserSessions
 from router.server.tracing import Tracing, TracingSettings, build_tracing
 from router.telemetry import EmbeddedCollection, MemoryStore, RedisStore, TelemetryFeed, run_feed
+from router.traffic.admission import Admission
+from router.traffic.budgets import Budgets
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -250,7 +250,7 @@ async def _shared_state(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _budgets(app: web.Application) -> AsyncIterator[None]:
-    """Tenants' budgets (router/budgets.py), when a tenant has one: a Redis client with the budget timeout, and
+    """Tenants' budgets (router/traffic/budgets.py), when a tenant has one: a Redis client with the budget timeout, and
     the task that sends completion charges and refunds; on shutdown, what is still queued is sent once."""
     ctx = app[CONTEXT]
     tenancy = ctx.settings.tenancy

@@ -10,10 +10,10 @@
   engine must never see, or log, the router's client keys). `auth.upstreamApiKeyEnv` names a variable
   holding the key the engines expect (vLLM `--api-key`); when set it is sent instead, whatever the client
   sent. With neither, `Authorization` passes through untouched, as before.
-- **Tenants** (router/tenants.py): a key followed by `tenant=<name>` (`sk-acme-1 tenant=acme`) belongs to
+- **Tenants** (router/traffic/tenants.py): a key followed by `tenant=<name>` (`sk-acme-1 tenant=acme`) belongs to
   that tenant, which `tenancy.tenants` must list; other keys belong to `default`. The key check finds the
   matching key's index without a branch on the match (`_match_index`) and records its tenant on the request
-  (`KEY_TENANT`), where router/tenants.py reads it.
+  (`KEY_TENANT`), where router/traffic/tenants.py reads it.
 - **Explanations** (router/server/explain.py): a key followed by the flag `explain` (`sk-alice explain`) may ask
   for routing explanations with `x-fleetroute-explain: 1`; the admin token may too, as that header's value.
   Nobody else can: their header is ignored (`explain_permission`).
@@ -55,7 +55,7 @@ from multidict import CIMultiDict
 from router.config.settings import NOT_SHOWN, ConfigError, Fields, _show
 from router.runtime.errors import error_response
 from router.runtime.metrics import RouterMetrics
-from router.tenants import DEFAULT_TENANT, KEY_TENANT
+from router.traffic.tenants import DEFAULT_TENANT, KEY_TENANT
 
 ADMIN_TOKEN_ENV = "FLEETROUTE_ADMIN_TOKEN"
 DEFAULT_MAX_HEADER_BYTES = 8190  # aiohttp's (and nginx's large_client_header_buffers) default line size
@@ -260,7 +260,7 @@ def client_auth_middleware(settings: AuthSettings, metrics: RouterMetrics) -> An
         index = _match_index(token, digests) if token is not None else -1
         if index < 0:
             return _unauthorized(metrics, reason="invalid_api_key", missing=token is None, what="API key")
-        request[KEY_TENANT] = tenants[index]  # router/tenants.py: the request's tenant
+        request[KEY_TENANT] = tenants[index]  # router/traffic/tenants.py: the request's tenant
         return await handler(request)
 
     return require_api_key

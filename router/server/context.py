@@ -17,12 +17,9 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from router.admission import Admission
-from router.budgets import Budgets
 from router.config.settings import Settings
 from router.departures import EndpointStateOwner
 from router.health.stall import StallDetector
-from router.retry_budget import RetryBudget
 from router.routing.balancer import Balancer
 from router.routing.cost import CostModel
 from router.routing.loads import LoadTracker
@@ -39,6 +36,9 @@ from router.server.proxy import Proxy
 from router.server.status.history import StatusHistory
 from router.server.tracing import Tracing
 from router.telemetry import EmbeddedCollection, TelemetryFeed
+from router.traffic.admission import Admission
+from router.traffic.budgets import Budgets
+from router.traffic.retry_budget import RetryBudget
 
 if TYPE_CHECKING:  # imported only when Kubernetes discovery is configured (the client is heavy to import)
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -62,7 +62,7 @@ class RouterContext:
     http: aiohttp.ClientSession | None = None  # the pooled upstream session (proxy, probes, telemetry)
     sticky: dict[str, StickyTable] = field(default_factory=dict)  # policy name -> session pins
     shared_loads: SharedLoads | None = None  # with Redis: in-flight counts exchanged with other replicas
-    budgets: Budgets | None = None  # tenants' budgets through Redis (app start-up to shutdown; router.budgets)
+    budgets: Budgets | None = None  # tenants' budgets through Redis (app start-up to shutdown; router.traffic.budgets)
     budget_clock: Callable[[], float] | None = None  # budgets' wall clock (tests); None: the Redis server's
     sticky_redis: Any = None  # the Redis client session pins use (None without Redis)
     # router.routing.prefix.kv_events.KVEvents while KV events are configured (app start-up to shutdown)

@@ -2,9 +2,9 @@
 `/admin/*`).
 
 One inference request: read the body (router/server/request_body.py: size, timeout, encodings, `Expect`), parse the
-JSON, check the model, name its tenant (router/tenants.py, with a `tenancy:` block), estimate its cost when
+JSON, check the model, name its tenant (router/traffic/tenants.py, with a `tenancy:` block), estimate its cost when
 the model's policy does or tenants are configured (router/routing/cost.py), check its tenant's budgets
-(router/budgets.py), queue it when its pool is saturated (router/admission.py), pick an endpoint
+(router/traffic/budgets.py), queue it when its pool is saturated (router/traffic/admission.py), pick an endpoint
 through the policy, forward and stream (`proxy`), then count and log it, and teach the cost model the
 answer's output tokens. A connection failure (the request never left) is retried on another endpoint, up
 to the policy's `retries.attempts`. Every error the router produces itself is in the OpenAI shape (`errors`),
@@ -25,8 +25,6 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
-from router.admission import AdmissionSettings
-from router.budgets import Verdict
 from router.config.redaction import redact_url
 from router.model import EndpointState, EndpointView
 from router.routing.cost import CostEstimate, CostSettings, relative_error
@@ -50,7 +48,9 @@ from router.server.route import (
     unknown_model,
 )
 from router.server.tracing import NO_TRACE, RequestTrace
-from router.tenants import Tenant
+from router.traffic.admission import AdmissionSettings
+from router.traffic.budgets import Verdict
+from router.traffic.tenants import Tenant
 
 log = logging.getLogger("fleetroute.handlers")
 
@@ -74,8 +74,8 @@ class Served:
     estimate: CostEstimate | None = None  # policies that estimate request costs (router/routing/cost.py)
     cost_settings: CostSettings | None = None
     decision: Decision | None = None  # an explained request's routing record (router/server/explain.py)
-    tenant: Tenant | None = None  # with a `tenancy:` block: the request's tenant (router/tenants.py)
-    budget: Verdict | None = None  # its budget check, for a budgeted tenant (router/budgets.py)
+    tenant: Tenant | None = None  # with a `tenancy:` block: the request's tenant (router/traffic/tenants.py)
+    budget: Verdict | None = None  # its budget check, for a budgeted tenant (router/traffic/budgets.py)
     counter: OutputCounter | None = None  # counts the answer's output tokens (requests with a cost estimate)
     trace: RequestTrace = NO_TRACE  # its spans, with tracing on (router/server/tracing.py); NO_TRACE does nothing
 
@@ -288,7 +288,7 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
             served.response = verdict.response
             return
     pin = await session_pin(ctx, spec.name, info)
-    # Admission (router/admission.py): None unless the policy caps endpoint concurrency. No await may come
+    # Admission (router/traffic/admission.py): None unless the policy caps endpoint concurrency. No await may come
     # between `admit` and the forward below, which is what marks the admitted request in flight.
     admission = ctx.admission.pool(spec, model)
     trace = served.trace

@@ -26,7 +26,7 @@ from router.routing.policies.consistent_hash import load_bound
 from router.routing.sticky import StickyTable
 from router.runtime.errors import clip, error_response
 from router.server.context import RouterContext
-from router.tenants import Tenant
+from router.traffic.tenants import Tenant
 
 # Costs are estimated with the defaults for policies without a `cost:` block once tenants are configured: a
 # tenant's tokens, budgets and fair share are all counted in them.

@@ -42,8 +42,8 @@ bounded amount, never starved (default rate 1000 tokens/s: a 5,000-token request
 Keys stay fixed on entry, so each class is a heap on its keys instead of a FIFO; across classes (ageing
 on) the key is `rank * aging + enqueued_at + C / rate`, the same virtual time.
 
-Tenants (with a `tenancy:` block, router/tenants.py): with `tenancy.fairness` on (the default), each class is
-one flow per tenant served by weighted fair queueing in predicted tokens (router/fair_queue.py has the
+Tenants (with a `tenancy:` block, router/traffic/tenants.py): with `tenancy.fairness` on (the default), each class is
+one flow per tenant served by weighted fair queueing in predicted tokens (router/traffic/fair_queue.py has the
 algorithm and its guarantees); across classes, a class competes with its oldest request's key, as above.
 With one tenant (everything `default`), that is exactly the order described above.
 
@@ -56,7 +56,7 @@ Shedding:
   last request in order of the lowest class present (the newest, or with shortest-expected-first the one
   with the largest key; with fairness, of the tenant with the largest backlog per weight); with fairness, a
   newcomer may instead evict the last request of the tenant of its own class with the largest backlog per
-  weight, when that exceeds its own tenant's (router/fair_queue.py); otherwise the newcomer is shed.
+  weight, when that exceeds its own tenant's (router/traffic/fair_queue.py); otherwise the newcomer is shed.
   Eviction looks at classes, not ageing: under sustained overload an old low request must not keep a new
   high one out.
 
@@ -81,12 +81,12 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from router.config.settings import ConfigError, Fields, PolicySpec, _show
-from router.fair_queue import FairClass
 from router.routing.balancer import Balancer
 from router.routing.loads import LoadTracker
 from router.runtime.errors import error_response
 from router.runtime.metrics import RouterMetrics
-from router.tenants import DEFAULT_TENANT, TenancySettings
+from router.traffic.fair_queue import FairClass
+from router.traffic.tenants import DEFAULT_TENANT, TenancySettings
 
 log = logging.getLogger("fleetroute.admission")
 
@@ -249,7 +249,7 @@ class _Waiter:
                  key: tuple[float, ...], seq: int, tenant: str = "", cost: float = 0.0):
         self.cls = cls
         self.request_id = request_id
-        self.tenant = tenant  # router/tenants.py ("" without tenancy)
+        self.tenant = tenant  # router/traffic/tenants.py ("" without tenancy)
         self.cost = cost  # predicted tokens (router/routing/cost.py): fair queueing charges them
         self.enqueued_at = now
         self.deadline_at = deadline_at
@@ -274,7 +274,7 @@ class _Fifo(deque[_Waiter]):
     def last(self) -> _Waiter:
         return self[-1]
 
-    # What a class queue answers with fairness (router/fair_queue.py); here, one flow in arrival order.
+    # What a class queue answers with fairness (router/traffic/fair_queue.py); here, one flow in arrival order.
     def lead_key(self) -> tuple[float, ...]:
         return self[0].key
 
@@ -412,7 +412,7 @@ class Admission:
 
 class Pool:
     """The admission queue of one model: one queue per priority class (with fairness, one flow per tenant in
-    each: router/fair_queue.py) plus a deadline heap."""
+    each: router/traffic/fair_queue.py) plus a deadline heap."""
 
     def __init__(self, model: str, settings: AdmissionSettings, admission: Admission) -> None:
         self.model = model
@@ -488,7 +488,7 @@ class Pool:
                     tenant: str = "") -> web.Response | None:
         """Wait for a slot. Returns None when the request may go on, or the response to shed it with.
         `cost` (tokens, router/routing/cost.py) orders the request within its class under shortest-expected-first, and
-        is what fair queueing charges `tenant` (a configured tenant name, router/tenants.py; "" without)."""
+        is what fair queueing charges `tenant` (a configured tenant name, router/traffic/tenants.py; "" without)."""
         settings = self.settings
         cls = settings.classify(headers.get(settings.priority_header))
         ids = self.endpoint_ids()

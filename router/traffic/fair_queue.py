@@ -1,6 +1,6 @@
 """Weighted fair queueing between tenants inside one admission class, measured in predicted tokens.
 
-Why. Admission (router/admission.py) orders a saturated pool's queue by class, then by arrival (or predicted
+Why. Admission (router/traffic/admission.py) orders a saturated pool's queue by class, then by arrival (or predicted
 cost). Inside a class that is first come, first served across tenants: a tenant that floods the queue puts
 every other tenant of the class behind its backlog, and fills the queue so that their requests are shed.
 With fairness on, each class is split into one flow per tenant, and the class serves its flows in
@@ -9,7 +9,7 @@ unit of service like a 20-token one).
 
 How: start-time fair queueing (SFQ; Goyal, Vin and Cheng, SIGCOMM 1996), per class, over flows whose own
 order is the class's usual one (FIFO, or shortest-expected-first: each flow is a `_Fifo` or `_ByKey` of
-router/admission.py):
+router/traffic/admission.py):
 
 - each tenant t has a finish tag F_t, the virtual time at which its last served request ends;
 - the class has a virtual time V, the start tag of the last request it served;
@@ -27,7 +27,7 @@ class empties, V and every F_t start again from 0, so the tags stay small and no
 that have gone quiet.
 
 Across classes nothing changes: a class competes with the admission key of its oldest request (its
-`lead_key`: rank and ageing, router/admission.py), and when it wins it serves its fair head. Ageing,
+`lead_key`: rank and ageing, router/traffic/admission.py), and when it wins it serves its fair head. Ageing,
 deadlines and the eviction of lower classes work as before; when the queue is full, a newcomer may also
 evict the newest request of the tenant of its own class with the largest backlog per weight, if that
 backlog exceeds the newcomer's tenant's own (with the newcomer) — longest-queue drop, so a flooding tenant
@@ -52,7 +52,7 @@ class FairWaiter(Protocol):
 
 
 class Flow(Protocol):
-    """One tenant's queue in the class's own order (router/admission.py's `_Fifo` or `_ByKey`)."""
+    """One tenant's queue in the class's own order (router/traffic/admission.py's `_Fifo` or `_ByKey`)."""
 
     def push(self, waiter: Any, front: bool) -> None: ...
     def remove(self, waiter: Any) -> None: ...

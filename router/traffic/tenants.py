@@ -1,5 +1,5 @@
-"""Tenants: who a request belongs to, for fair sharing (router/fair_queue.py), token budgets
-(router/budgets.py) and per-tenant metrics.
+"""Tenants: who a request belongs to, for fair sharing (router/traffic/fair_queue.py), token budgets
+(router/traffic/budgets.py) and per-tenant metrics.
 
 A shared fleet serves many teams or customers. The router names each request's tenant from one of two
 sources, and from nothing else:

@@ -60,7 +60,7 @@ from router.runtime.logs import RateLimitedLog
 from router.runtime.metrics import RouterMetrics
 from router.runtime.redis_client import RedisClient
 from router.runtime.redis_input import Rejected, RejectionLog
-from router.tenants import TenancySettings, Tenant
+from router.traffic.tenants import TenancySettings, Tenant
 
 log = logging.getLogger("fleetroute.budgets")
 
@@ -181,7 +181,7 @@ return 1
 
 def budget_keys(tenant: str) -> tuple[str, str, str]:
     """A tenant's keys; the hash tag keeps them in one Redis Cluster slot (one script uses all three). Tenant
-    names come from the configuration (router/tenants.py), so they are safe in a key."""
+    names come from the configuration (router/traffic/tenants.py), so they are safe in a key."""
     prefix = f"fleetroute:v1:budget:{{{tenant}}}:"
     return prefix + "requests", prefix + "tokens", prefix + "tokens-sum"
 
