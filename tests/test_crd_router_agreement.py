@@ -1,5 +1,5 @@
 """One table of RoutingPolicy specs, judged twice: by the CRD (its schema and CEL rules, as the fake API server
-applies them with jsonschema and cel-python: tests/fake_crd.py) and by the router (router.control.spec, what
+applies them with jsonschema and cel-python: tests/fake_crd.py) and by the router (router.kube.control.spec, what
 the RoutingPolicy controller does with a stored object). The two must agree, so that a spec the router would
 refuse is refused at `kubectl apply` rather than failing inside the router later.
 
@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from router.config.settings import ConfigError
-from router.control.spec import policy_from_spec
+from router.kube.control.spec import policy_from_spec
 from router.routing.policies.registry import PolicyRegistry
 from tests.fake_crd import FakeCRD
 from tests.fake_kube import FakeKube

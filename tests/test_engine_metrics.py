@@ -171,7 +171,7 @@ async def test_the_kv_capacity_and_prefix_counters_reach_the_routers_telemetry(r
     import redis.asyncio as aioredis
 
     from router.runtime.redis_client import RedisSettings, connect
-    from router.telemetry import RedisStore, admit_record, to_telemetry
+    from router.telemetry.feed import RedisStore, admit_record, to_telemetry
     from worker.protocol import EngineSample, GpuSample, TelemetryRecord, decode, encode
     from worker.publisher import RedisPublisher
 

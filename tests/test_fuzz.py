@@ -350,7 +350,7 @@ REDIS_FUZZ = settings(FUZZ, max_examples=max(10, EXAMPLES // 2))
 @dataclass(repr=False)
 class RedisTarget(Target):
     redis: Any  # a plain client the fuzzer writes with
-    feed: Any  # the router's telemetry feed (router.telemetry.TelemetryFeed over a RedisStore)
+    feed: Any  # the router's telemetry feed (router.telemetry.feed.TelemetryFeed over a RedisStore)
     session: int = 0
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # Hypothesis prints failing examples this way
@@ -375,7 +375,7 @@ class RedisTarget(Target):
 @pytest.fixture
 async def redis_target(make_engine, make_router, http, redis_url) -> Any:  # noqa: F811
     from router.runtime.redis_client import connect
-    from router.telemetry import RedisStore, TelemetryFeed
+    from router.telemetry.feed import RedisStore, TelemetryFeed
 
     engines = [await make_engine(f"gpu-{i}", models=(MODEL, REDIS_PREFIX_MODEL)) for i in range(2)]
     router = await make_router(engines, policies=REDIS_POLICIES, telemetry={"enabled": False},

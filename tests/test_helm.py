@@ -206,8 +206,8 @@ def test_router_accepts_its_rendered_config(rendered, values, tmp_path, monkeypa
 
 @pytest.mark.parametrize("values", VALUE_SETS)
 def test_the_charts_own_routing_policies_are_within_the_delegation(rendered, values, tmp_path, monkeypatch):
-    from router.control.delegation import check, file_conflict
-    from router.control.spec import policy_from_spec
+    from router.kube.control.delegation import check, file_conflict
+    from router.kube.control.spec import policy_from_spec
     from router.routing.policies.registry import PolicyRegistry
     from tests.fake_crd import FakeCRD
 

@@ -472,7 +472,7 @@ async def test_in_a_pod_the_service_account_and_its_namespace_are_used(
     # The service account's files, where the kubelet mounts them (redirected: the test must not touch /var).
     from kubernetes.aio.config import incluster_config
 
-    from router.discovery import kubernetes as discovery_module
+    from router.kube.discovery import kubernetes as discovery_module
     from router.server.app import build_context
 
     for name, text in (("token", "sa-token"), ("ca.crt", "-----BEGIN CERTIFICATE-----\n"), ("namespace", "gpu\n")):

@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 
 from router.model import Telemetry
 from router.runtime.redis_client import RedisSettings, connect
-from router.telemetry import RedisStore, TelemetryFeed
+from router.telemetry.feed import RedisStore, TelemetryFeed
 from tests import fake_dcgm
 from tests.fake_dcgm import dcgm_exporter  # noqa: F401 - fixture
 from tests.fake_engine import EngineLoad

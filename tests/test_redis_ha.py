@@ -25,7 +25,7 @@ from router.routing.sticky import session_digest
 from router.runtime.metrics import RouterMetrics
 from router.runtime.redis_client import RedisSettings, SentinelSettings, connect
 from router.server.app import RunningRouter
-from router.telemetry import RedisStore
+from router.telemetry.feed import RedisStore
 from tests.conftest import MODEL
 from tests.fake_engine import EngineLoad
 from tests.redis_server import (  # noqa: F401 - fixtures

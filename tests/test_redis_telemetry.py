@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from router.runtime.redis_client import RedisSettings, connect
-from router.telemetry import RedisStore, TelemetryFeed
+from router.telemetry.feed import RedisStore, TelemetryFeed
 from tests.conftest import MODEL
 from tests.fake_engine import EngineLoad
 from tests.redis_server import own_redis, redis_url  # noqa: F401 - fixtures

@@ -93,7 +93,7 @@ async def test_unknown_model_names_never_become_metric_labels(make_engine, make_
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_non_finite_telemetry_values_are_refused_and_never_written(field: str, value: str) -> None:
     # No agent writes them (below), so a record holding one is not trusted at all: the router counts it as
-    # malformed (router.telemetry.admit_record; tests/test_redis_hostile.py).
+    # malformed (router.telemetry.feed.admit_record; tests/test_redis_hostile.py).
     raw = {"schema": "1", "endpoint_id": "e", "reported_at": "1", "num_waiting": "3", field: value}
     with pytest.raises(ValueError, match=f"{field} is not a finite number"):
         decode(raw)
@@ -122,7 +122,7 @@ async def test_no_retry_starts_after_the_total_deadline_and_no_innocent_endpoint
 
 async def test_a_background_step_that_fails_is_logged_counted_and_the_loop_goes_on(make_engine, make_router, http,
                                                                                    monkeypatch) -> None:
-    from router.telemetry import TelemetryFeed
+    from router.telemetry.feed import TelemetryFeed
 
     calls = {"n": 0}
     original = TelemetryFeed.refresh

@@ -534,7 +534,7 @@ async def test_kubectl_apply_get_and_watch_routing_policies(
 def test_a_routing_policy_model_is_delegated_only_inside_an_allowed_pattern(
     model: str, allowed: list[str], delegated: bool,
 ) -> None:
-    from router.control.delegation import delegated as is_delegated
+    from router.kube.control.delegation import delegated as is_delegated
 
     assert is_delegated(model, allowed) is delegated
 
@@ -694,7 +694,7 @@ async def test_classes_with_priorities_rank_the_same_in_a_file_and_a_routing_pol
     import random
 
     from router.config.settings import load_settings
-    from router.control.spec import policy_from_spec
+    from router.kube.control.spec import policy_from_spec
     from router.routing.policies.registry import PolicyRegistry
 
     classes = {"high": {"priority": 100, "deadline": "5s"}, "normal": {"priority": 50},

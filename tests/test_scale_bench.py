@@ -22,7 +22,7 @@ from router.model import Endpoint, EndpointView, RequestInfo
 from router.routing.policies.base import EventSink, LoadView
 from router.routing.policies.registry import BUILTIN, PolicyRegistry
 from router.runtime.redis_client import RedisSettings, connect
-from router.telemetry import RedisStore, TelemetryFeed
+from router.telemetry.feed import RedisStore, TelemetryFeed
 from tests.redis_server import own_redis  # noqa: F401 - fixture
 from worker.protocol import UPDATES_CHANNEL, decode, telemetry_key
 

@@ -125,7 +125,7 @@ def hiredis_available(env: dict[str, str] | None) -> bool:
 READ_COST = """
 import asyncio, json, sys, time
 from router.runtime.redis_client import RedisSettings, connect
-from router.telemetry import RedisStore
+from router.telemetry.feed import RedisStore
 from loadtest.scale.inputs import endpoint_ids
 
 async def main(url, n, rounds):

@@ -31,7 +31,7 @@ from router.routing.loads import LoadTracker
 from router.routing.policies.base import EventSink, Picker, Policy
 from router.routing.policies.registry import PolicyRegistry
 from router.runtime.metrics import RouterMetrics
-from router.telemetry import to_telemetry
+from router.telemetry.feed import to_telemetry
 from worker.protocol import EngineSample, GpuSample, TelemetryRecord, decode, encode
 
 MODEL = "llama-3-8b"

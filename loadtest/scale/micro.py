@@ -41,7 +41,7 @@ from router.model import RequestInfo
 from router.routing.policies.base import PolicyConfigError
 from router.routing.policies.prefix_aware import block_hashes
 from router.routing.policies.registry import PolicyRegistry
-from router.telemetry import MemoryStore, TelemetryFeed, to_telemetry
+from router.telemetry.feed import MemoryStore, TelemetryFeed, to_telemetry
 from worker.protocol import decode, encode
 
 # Extra parameter sets worth measuring: label -> (strategy, params). Each registered strategy is also

@@ -42,7 +42,7 @@ from router.routing.sticky import StickinessSettings
 from router.runtime.redis_client import RedisSettings, SentinelSettings
 
 if TYPE_CHECKING:  # parsed by their own modules, which build on this one's field reader
-    from router.control import ControlSettings
+    from router.kube.control import ControlSettings
     from router.server.auth import AuthSettings
     from router.server.explain import ExplainSettings
     from router.server.tracing import TracingSettings
@@ -165,7 +165,7 @@ class KubernetesDiscoverySettings:
     """`discovery.kubernetes`: watch the EndpointSlices of the named Services (or of a label selector) in one
     namespace.
 
-    Read by router.discovery.kubernetes, which documents the behaviour; docs/kubernetes.md is the reference.
+    Read by router.kube.discovery.kubernetes, which documents the behaviour; docs/kubernetes.md is the reference.
     """
 
     # The Services whose slices to watch (label kubernetes.io/service-name): only what the config names. Written
@@ -224,7 +224,7 @@ class Settings:
     client_timeouts: ClientTimeouts = ClientTimeouts()
     auth: AuthSettings | None = None  # router.server.auth; None: no client keys, no admin token
     discovery: DiscoverySettings = DiscoverySettings()
-    control: ControlSettings | None = None  # router.control: RoutingPolicy resources; None: file policies only
+    control: ControlSettings | None = None  # router.kube.control: RoutingPolicy resources; None: file policies only
     explain: ExplainSettings | None = None  # router.server.explain: sampling and recent decisions; None: the defaults
     tenancy: TenancySettings | None = None  # router.traffic.tenants: tenants, fair sharing, budgets; None: no tenants
     # router.routing.prefix.kv_events.KVEventsSettings: engines' KV-cache events; None: not subscribed
@@ -957,7 +957,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     from router.server.auth import parse_auth  # here, not on top: router.server.auth builds on this module
 
     auth = parse_auth(top, tenancy.names() if tenancy is not None else (DEFAULT_TENANT,))
-    from router.control import parse_control  # here, not on top: router.control builds on this module
+    from router.kube.control import parse_control  # here, not on top: router.kube.control builds on this module
 
     control = parse_control(top)
     from router.server.explain import parse_explain  # here, not on top: router.server.explain builds on this module

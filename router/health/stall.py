@@ -212,6 +212,6 @@ class StallDetector:
         return waiting, streaming
 
     def forget_endpoints(self, gone: frozenset[str]) -> None:
-        """Endpoints that left (router/departures.py). A request still in flight there keeps its own reference."""
+        """Endpoints that left (health/departures.py). A request still in flight there keeps its own reference."""
         for endpoint_id in gone:
             self._activity.pop(endpoint_id, None)

@@ -54,7 +54,7 @@ from router.server.rescue import release_excluded, run_stall_checks
 from router.server.status.page import add_status_page
 from router.server.status.sessions import BrowserSessions
 from router.server.tracing import Tracing, TracingSettings, build_tracing
-from router.telemetry import EmbeddedCollection, MemoryStore, RedisStore, TelemetryFeed, run_feed
+from router.telemetry.feed import EmbeddedCollection, MemoryStore, RedisStore, TelemetryFeed, run_feed
 from router.traffic.admission import Admission
 from router.traffic.budgets import Budgets
 
@@ -371,7 +371,7 @@ async def _discovery(app: web.Application) -> AsyncIterator[None]:
     if kube is None:
         yield
         return
-    from router.discovery.kubernetes import KubernetesDiscovery  # the client is imported only when used
+    from router.kube.discovery.kubernetes import KubernetesDiscovery  # the client is imported only when used
 
     discovery = KubernetesDiscovery(settings=kube, balancer=ctx.balancer, static=ctx.settings.endpoints,
                                     metrics=ctx.metrics, rng=ctx.rng)
@@ -398,7 +398,7 @@ async def _control(app: web.Application) -> AsyncIterator[None]:
     if kube is None:
         yield
         return
-    from router.control.routing_policies import RoutingPolicyController  # the client is imported only when used
+    from router.kube.control.routing_policies import RoutingPolicyController  # the client is imported only when used
 
     controller = RoutingPolicyController(settings=kube, ctx=ctx)
     await controller.start()

@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from router.config.settings import Settings
-from router.departures import EndpointStateOwner
+from router.health.departures import EndpointStateOwner
 from router.health.stall import StallDetector
 from router.routing.balancer import Balancer
 from router.routing.cost import CostModel
@@ -35,7 +35,7 @@ from router.server.forwarding import Forwarding
 from router.server.proxy import Proxy
 from router.server.status.history import StatusHistory
 from router.server.tracing import Tracing
-from router.telemetry import EmbeddedCollection, TelemetryFeed
+from router.telemetry.feed import EmbeddedCollection, TelemetryFeed
 from router.traffic.admission import Admission
 from router.traffic.budgets import Budgets
 from router.traffic.retry_budget import RetryBudget
@@ -43,8 +43,8 @@ from router.traffic.retry_budget import RetryBudget
 if TYPE_CHECKING:  # imported only when Kubernetes discovery is configured (the client is heavy to import)
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from router.control.routing_policies import RoutingPolicyController
-    from router.discovery.kubernetes import KubernetesDiscovery
+    from router.kube.control.routing_policies import RoutingPolicyController
+    from router.kube.discovery.kubernetes import KubernetesDiscovery
 
 
 @dataclass
@@ -72,7 +72,7 @@ class RouterContext:
     telemetry_collection: EmbeddedCollection | None = None  # the router's own scrapes, without Redis
     health_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # active probes per policy
     discovery: KubernetesDiscovery | None = None  # while Kubernetes discovery runs (app start-up to shutdown)
-    control: RoutingPolicyController | None = None  # while RoutingPolicies are watched (router.control)
+    control: RoutingPolicyController | None = None  # while RoutingPolicies are watched (router.kube.control)
     retry_budget: RetryBudget = field(init=False)
     # requests in flight per endpoint, their progress (router/server/rescue.py)
     stalls: StallDetector = field(init=False)
@@ -107,7 +107,7 @@ class RouterContext:
 
     def endpoint_state_owners(self) -> list[EndpointStateOwner]:
         """Everything that keeps state per endpoint and must forget an endpoint that leaves, told at once
-        (router/departures.py; the load tracker and the metrics are told once nothing is in flight there)."""
+        (router/health/departures.py; the load tracker and the metrics are told once nothing is in flight there)."""
         owners: list[EndpointStateOwner] = [self.balancer, self.admission, self.status_history, self.stalls,
                                             *self.sticky.values()]
         for owner in (self.telemetry_feed, self.telemetry_collection, self.prefix_upkeep):

@@ -1,11 +1,11 @@
 """RoutingPolicy custom resources (`fleetroute.io/v1alpha1`), watched and applied live, with status.
 
-**Watch.** The same reflector loop as router.discovery.kubernetes, on the official client's asyncio API: list
+**Watch.** The same reflector loop as router.kube.discovery.kubernetes, on the official client's asyncio API: list
 the RoutingPolicies of one namespace, keep the list's resourceVersion, watch from it with bookmarks, resume a
 dropped watch from the last resourceVersion, relist on 410 Gone. During an API-server outage the policies in
 effect stay as they are (the last good set) and the failure is counted and logged once.
 
-**Conversion.** Each object's spec goes through the config file's policy parser (router.control.spec), with
+**Conversion.** Each object's spec goes through the config file's policy parser (router.kube.control.spec), with
 `name` set to the object's name and `priority` taken out: a RoutingPolicy spec is exactly one `policies:`
 entry, `preset` included (router/config/presets.py expands it inside the parser, so a preset-based spec and the
 same file entry give the same PolicySpec). A spec the parser refuses (it passed the CRD schema but not the
@@ -13,7 +13,7 @@ router's checks: a preset's values the API server could not see) is not applied:
 of that policy stays in effect, or none if there never was one.
 
 **Delegation.** A parsed spec is then checked against what `control.kubernetes` delegates
-(router.control.delegation): its models inside `allowedModels`, its priority at most `maxPriority`, and,
+(router.kube.control.delegation): its models inside `allowedModels`, its priority at most `maxPriority`, and,
 unless `overrideFilePolicies`, a name no file policy has. One that goes beyond is refused like an invalid
 one (the previous good version stays), with its own reason. The name check depends on the file, so it is
 made again on every config reload: a RoutingPolicy whose name the file takes is out of effect until the
@@ -52,10 +52,10 @@ from kubernetes.aio.client.exceptions import ApiException
 from prometheus_client import Counter, Gauge
 
 from router.config.settings import ConfigError, PolicySpec, Settings
-from router.control import KubernetesControlSettings
-from router.control.delegation import REASONS, Refusal, check, file_conflict
-from router.control.spec import policy_from_spec
-from router.discovery.kubernetes import _describe, _status_message, configure_client
+from router.kube.control import KubernetesControlSettings
+from router.kube.control.delegation import REASONS, Refusal, check, file_conflict
+from router.kube.control.spec import policy_from_spec
+from router.kube.discovery.kubernetes import _describe, _status_message, configure_client
 from router.runtime.progress import Progress
 from router.server.app import sync_health_checks, sync_sticky_tables
 from router.server.context import RouterContext

@@ -27,7 +27,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from router.config.settings import PolicySpec
-from router.control import KubernetesControlSettings
+from router.kube.control import KubernetesControlSettings
 
 _GLOB = frozenset("*?[")
 

@@ -3,7 +3,7 @@
 The static `endpoints:` list of the config is always part of the endpoint set. A dynamic source joins its
 endpoints to it and hands the union to `Balancer.set_endpoints` whenever something routable changes:
 
-- `kubernetes` (router.discovery.kubernetes): the EndpointSlices of a Service, listed and watched through
+- `kubernetes` (router.kube.discovery.kubernetes): the EndpointSlices of a Service, listed and watched through
   the Kubernetes API, with each endpoint's ready/serving/terminating conditions.
 
 A source only reports membership and its own view of each endpoint's state (serving or draining); health,

@@ -1,9 +1,9 @@
 """Control plane: routing policies from outside the config file, applied live.
 
-- `kubernetes` (router.control.routing_policies): `RoutingPolicy` custom resources (`fleetroute.io/v1alpha1`),
+- `kubernetes` (router.kube.control.routing_policies): `RoutingPolicy` custom resources (`fleetroute.io/v1alpha1`),
   listed and watched through the Kubernetes API, merged with the file's `policies:`, with status written by
   the one replica that holds a Lease. A RoutingPolicy governs only what the config delegates to it
-  (`allowedModels`, `maxPriority`, `overrideFilePolicies`: router.control.delegation).
+  (`allowedModels`, `maxPriority`, `overrideFilePolicies`: router.kube.control.delegation).
 
 Configured under `control: {kubernetes: {...}}` (parsed here, without importing the Kubernetes client: the
 router imports it only when the block is present). docs/kubernetes.md is the reference, its "Trust model"
@@ -43,7 +43,7 @@ class KubernetesControlSettings:
     lease_duration: float = 15.0  # a holder that has not renewed for this long is replaced
     identity: str | None = None  # the Lease holder name; None: $POD_NAME or $HOSTNAME, plus a random suffix
     status: bool = True  # false: never write status (no Lease, no status RBAC)
-    # What RoutingPolicy authors may do (router.control.delegation). The defaults delegate nothing: whoever may
+    # What RoutingPolicy authors may do (router.kube.control.delegation). The defaults delegate nothing: whoever may
     # create RoutingPolicies in the namespace routes no model until the operator says which.
     allowed_models: tuple[str, ...] = ()  # model names or patterns a RoutingPolicy's `models` must stay inside
     max_priority: int = MAX_PRIORITY  # the highest spec.priority accepted
