@@ -4,12 +4,12 @@ routing, and a bad value is counted and dropped, never raised into a request or 
 Whoever can write to the router's Redis can put anything under fleetroute's keys (docs/telemetry.md,
 "Trust"). Each kind of value enters through one validating function in the module that uses it:
 
-    telemetry record      router.telemetry.feed.admit_record           fleetroute_telemetry_rejected_records_total{reason}
-    session pin           router.routing.sticky.pinned_endpoint        fleetroute_redis_rejected_values_total{data,reason}
-    replica list, counts  router.routing.shared_loads.live_replicas,   (same)
+    telemetry record      router.telemetry.feed.admit_record         fleetroute_telemetry_rejected_records_total{reason}
+    session pin           router.routing.sticky.pinned_endpoint      fleetroute_redis_rejected_values_total{data,reason}
+    replica list, counts  router.routing.shared_loads.live_replicas, (same)
                           replica_counts
-    prefix stream entry   router.routing.prefix.sharing.entry_blocks   (same)
-    budget check's reply  router.traffic.budgets.check_reply           (same)
+    prefix stream entry   router.routing.prefix.sharing.entry_blocks (same)
+    budget check's reply  router.traffic.budgets.check_reply         (same)
 
 Each reads bytes (every client is binary, router/runtime/redis_client.py), checks the size before decoding, then the
 type and the range, and raises `Rejected(reason, detail)`. The caller passes that to a `RejectionLog`, which
