@@ -26,7 +26,7 @@ from redis.asyncio.connection import parse_url as parse_redis_url
 
 from router.config import presets
 from router.config.durations import parse_duration
-from router.config.redaction import redact_url
+from router.config.fields import ConfigError, Fields, _label_selector_problem, _secret, _show
 from router.health.active import ActiveHealthSettings
 from router.health.breaker import BreakerSettings
 from router.health.outlier import OutlierSettings
@@ -41,7 +41,7 @@ from router.routing.policies.registry import PolicyRegistry
 from router.routing.sticky import StickinessSettings
 from router.runtime.redis_client import RedisSettings, SentinelSettings
 
-if TYPE_CHECKING:  # parsed by their own modules, which build on this one's field reader
+if TYPE_CHECKING:  # parsed by their own modules, which build on router/config/fields.py
     from router.kube.control import ControlSettings
     from router.server.auth import AuthSettings
     from router.server.explain import ExplainSettings
@@ -58,12 +58,6 @@ ENDPOINT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 POLICY_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a Kubernetes object name, for the CRD
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GPU_SOURCES = ("none", "sim")
-
-
-class ConfigError(ValueError):
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"{path}: {message}" if path else message)
-        self.path = path
 
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -235,123 +229,6 @@ class Settings:
     tracing: TracingSettings | None = None  # router.server.tracing: OpenTelemetry spans and export; None: off
 
 
-class Fields:
-    """Reads one mapping of the config, tracking which keys were used so the rest can be reported."""
-
-    def __init__(self, raw: Any, path: str) -> None:
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, Mapping):
-            raise ConfigError(path or "(top level)", f"must be a mapping, got {_show(raw)}")
-        self.raw = raw
-        self.path = path
-        self.used: set[str] = set()
-
-    def at(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def get(self, key: str, default: Any = None) -> Any:
-        self.used.add(key)
-        return self.raw.get(key, default)
-
-    def has(self, key: str) -> bool:
-        return key in self.raw
-
-    def string(self, key: str, default: str | None = None) -> str:
-        value = self.get(key, default)
-        if not isinstance(value, str) or not value.strip():
-            missing = key not in self.raw
-            problem = "is required" if missing else f"must be a non-empty string, got {_show(value, key=key)}"
-            raise ConfigError(self.at(key), problem)
-        return value.strip()
-
-    def integer(self, key: str, default: int, *, minimum: int, maximum: int | None = None) -> int:
-        value = self.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(self.at(key), f"must be an integer, got {_show(value, key=key)}")
-        if value < minimum or (maximum is not None and value > maximum):
-            bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
-            raise ConfigError(self.at(key), f"must be {bound}, got {value}")
-        return value
-
-    def number(self, key: str, default: float, *, minimum: float, maximum: float | None = None,
-               exclusive_minimum: bool = False) -> float:
-        value = self.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(self.at(key), f"must be a number, got {_show(value, key=key)}")  # .inf and .nan too
-        too_low = value <= minimum if exclusive_minimum else value < minimum
-        if too_low or (maximum is not None and value > maximum):
-            low = f"> {minimum}" if exclusive_minimum else f">= {minimum}"
-            bound = f"{low} and <= {maximum}" if maximum is not None else low
-            raise ConfigError(self.at(key), f"must be {bound}, got {value}")
-        return float(value)
-
-    def boolean(self, key: str, default: bool) -> bool:
-        value = self.get(key, default)
-        if not isinstance(value, bool):
-            raise ConfigError(self.at(key), f"must be true or false, got {_show(value, key=key)}")
-        return value
-
-    def duration(self, key: str, default: float) -> float:
-        value = self.get(key, default)
-        seconds = parse_duration(value)
-        if seconds is None or seconds <= 0:
-            raise ConfigError(self.at(key), f"must be a positive duration like 2s, 500ms or 1.5, got "
-                                            f"{_show(value, key=key)}")
-        return seconds
-
-    def choice(self, key: str, default: str, options: tuple[str, ...] | list[str]) -> str:
-        value = self.get(key, default)
-        if value not in options:
-            raise ConfigError(self.at(key), f"must be one of {', '.join(options)}; got {_show(value, key=key)}")
-        return value
-
-    def sub(self, key: str) -> Fields:
-        return Fields(self.get(key), self.at(key))
-
-    def items(self, key: str) -> list[tuple[str, Any]]:
-        value = self.get(key, [])
-        if value is None:
-            value = []
-        if not isinstance(value, list):
-            raise ConfigError(self.at(key), f"must be a list, got {_show(value, key=key)}")
-        return [(f"{self.at(key)}[{i}]", item) for i, item in enumerate(value)]
-
-    def done(self) -> None:
-        unknown = [k for k in self.raw if k not in self.used]
-        if unknown:
-            known = ", ".join(sorted(self.used))
-            raise ConfigError(self.at(str(unknown[0])), f"unknown field (expected one of: {known})")
-
-
-# Fields that name a secret (passwordEnv, passwordFile, tokenEnv, apiKeysEnv, apiKeysFile, upstreamApiKeyEnv).
-# An error about one names the field but never repeats what was written there: a password pasted by mistake
-# where its variable's name belongs must not land in a log. A value is repeated only once it has proven to be
-# a name or a path (the variable is set, the file was opened).
-SECRET_FIELD = re.compile(r"password|token|secret|apikey", re.IGNORECASE)
-NOT_SHOWN = "(its value is not repeated: this field names a secret)"
-
-
-def _show(value: Any, *, key: str = "") -> str:
-    """A value for an error message: its repr, cut at 60 characters, with a URL's credentials hidden; nothing
-    of it for a field that names a secret (`key`)."""
-    if key and SECRET_FIELD.search(key):
-        return NOT_SHOWN
-    text = repr(_redacted(value))
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _redacted(value: Any) -> Any:
-    """`value` with the credentials of every URL in it hidden (router/config/redaction.py), nested ones included."""
-    if isinstance(value, str):
-        return redact_url(value)
-    if isinstance(value, list | tuple):
-        return type(value)(_redacted(v) for v in value)
-    if isinstance(value, Mapping):
-        return {k: _redacted(v) for k, v in value.items()}
-    return value
-
-
 def _address(fields: Fields, key: str, default: Address, env_prefix: str, *, others: tuple[str, ...] = (),
              ingress: bool = False) -> Address:
     sub = fields.sub(key)
@@ -485,7 +362,7 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     health = _health(f)
     stickiness = _stickiness(f.sub("stickiness"))
     from router.traffic.admission import (
-        parse_admission,  # here, not on top: router.traffic.admission builds on this module
+        parse_admission,  # here: a layer above the reader (docs/architecture.md)
     )
 
     admission = parse_admission(f.sub("admission"))
@@ -724,38 +601,6 @@ def _sentinel(f: Fields) -> SentinelSettings:
     return SentinelSettings(master_name=master, addresses=tuple(addresses), db=db, tls=tls, password=password)
 
 
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def _secret(f: Fields, name: str) -> tuple[str | None, str | None]:
-    """`<name>Env` or `<name>File`: the secret read now (a file's trailing newline dropped), and its source."""
-    env_key, file_key = f"{name}Env", f"{name}File"
-    env, path = f.get(env_key), f.get(file_key)
-    if env is not None and path is not None:
-        raise ConfigError(f.at(file_key), f"give {env_key} or {file_key}, not both")
-    if env is not None:
-        env = f.string(env_key)
-        if not _ENV_NAME.match(env):
-            raise ConfigError(f.at(env_key), f"must be an environment variable name (letters, digits, _) {NOT_SHOWN}")
-        value = os.environ.get(env, "")
-        if not value:
-            raise ConfigError(f.at(env_key), f"the environment variable it names is not set or empty {NOT_SHOWN}")
-        return value, f"${env}"
-    if path is not None:
-        path = f.string(file_key)
-        try:
-            with open(path, encoding="utf-8") as fh:
-                value = fh.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ConfigError(f.at(file_key), f"cannot read the file it names: {reason} {NOT_SHOWN}") from None
-        value = value.rstrip("\r\n")  # a Secret mounted as a file, or `echo` into one
-        if not value:
-            raise ConfigError(f.at(file_key), f"{path!r} is empty")
-        return value, f"file {path}"
-    return None, None
-
-
 # Kubernetes names, as the API server validates them (apimachinery validation): a DNS-1123 label (namespace),
 # a DNS-1035 label (Service), an IANA service name (port name), a qualified name (label/annotation key) and
 # a label value.
@@ -766,32 +611,6 @@ _QUALIFIED_NAME = re.compile(
     r"^(?:(?=[^/]{1,253}/)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
     r"(?=[^/]{1,63}$)[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
-_LABEL_VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
-_SELECTOR_KEY = r"(?:[a-z0-9.-]{1,253}/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
-_SELECTOR_REQUIREMENT = re.compile(
-    rf"^\s*(?:!?\s*{_SELECTOR_KEY}"  # exists / does not exist
-    rf"|{_SELECTOR_KEY}\s*(?:==|=|!=)\s*{_LABEL_VALUE}"
-    rf"|{_SELECTOR_KEY}\s+(?:in|notin)\s*\(\s*{_LABEL_VALUE}(?:\s*,\s*{_LABEL_VALUE})*\s*\))\s*$"
-)
-
-
-def _label_selector_problem(selector: str) -> str | None:
-    """Why the API server would refuse the label selector, or None; the requirements are split on commas
-    outside parentheses (`app=vllm,tier in (a,b),!canary`)."""
-    requirements, depth, start = [], 0, 0
-    for i, char in enumerate(selector):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            requirements.append(selector[start:i])
-            start = i + 1
-    requirements.append(selector[start:])
-    for requirement in requirements:
-        if not _SELECTOR_REQUIREMENT.match(requirement):
-            return f"has an invalid requirement {requirement.strip()!r} (expected key, !key, key=value, " \
-                   "key!=value, key in (a,b) or key notin (a,b))"
-    return None
-
-
 def _optional_key(f: Fields, key: str, default: str | None) -> str | None:
     """A label or annotation key, or null to turn that source off."""
     if f.has(key) and f.get(key) is None:
@@ -946,7 +765,7 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     workers = top.integer("workers", 1, minimum=1, maximum=256)
     shutdown_grace = top.duration("shutdownGrace", Settings.shutdown_grace)
     drain_connections = _drain_connections(top, shutdown_grace)
-    from router.traffic.tenants import DEFAULT_TENANT, parse_tenancy  # here, not on top: it builds on this module
+    from router.traffic.tenants import DEFAULT_TENANT, parse_tenancy  # here: a layer above the reader
 
     tenancy = parse_tenancy(top.sub("tenancy")) if top.get("tenancy") is not None else None
     if tenancy is not None and tenancy.budgets and not redis.enabled:
@@ -954,23 +773,23 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
         raise ConfigError("tenancy.tenants", f"tenant {budgeted!r} has a budget, and budgets need redis (they are "
                                              "shared between router replicas through it): set redis.url, or leave "
                                              "requestsPerMinute and tokensPerMinute out")
-    from router.server.auth import parse_auth  # here, not on top: router.server.auth builds on this module
+    from router.server.auth import parse_auth  # here: a layer above the reader (docs/architecture.md)
 
     auth = parse_auth(top, tenancy.names() if tenancy is not None else (DEFAULT_TENANT,))
-    from router.kube.control import parse_control  # here, not on top: router.kube.control builds on this module
+    from router.kube.control import parse_control  # here: a layer above the reader (docs/architecture.md)
 
     control = parse_control(top)
-    from router.server.explain import parse_explain  # here, not on top: router.server.explain builds on this module
+    from router.server.explain import parse_explain  # here: a layer above the reader (docs/architecture.md)
 
     explain = parse_explain(top.sub("explain")) if top.get("explain") is not None else None
     stall = _stall(top.sub("stallDetection"))
-    from router.server.tracing import parse_tracing  # here, not on top: router.server.tracing builds on this module
+    from router.server.tracing import parse_tracing  # here: a layer above the reader (docs/architecture.md)
 
     tracing = parse_tracing(top.sub("tracing")) if top.get("tracing") is not None else None
     kv_events = None
     if top.get("kvEvents") is not None:
         from router.routing.prefix.kv_events import (
-            parse_kv_events,  # here, not on top: router.routing.prefix.kv_events builds on this module
+            parse_kv_events,  # here: a layer above the reader (docs/architecture.md)
         )
 
         kv_events = parse_kv_events(top.sub("kvEvents"))

@@ -52,7 +52,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
-from router.config.settings import NOT_SHOWN, ConfigError, Fields, _show
+from router.config.fields import NOT_SHOWN, ConfigError, Fields, _show
 from router.runtime.errors import error_response
 from router.runtime.metrics import RouterMetrics
 from router.traffic.tenants import DEFAULT_TENANT, KEY_TENANT

@@ -47,7 +47,7 @@ from typing import Any
 
 import orjson
 
-from router.config.settings import Fields
+from router.config.fields import Fields
 from router.routing.policies.base import DecisionTrace
 from router.runtime.metrics import RouterMetrics
 

@@ -77,16 +77,20 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from router.config.settings import ConfigError, Fields, PolicySpec, _show
-from router.routing.balancer import Balancer
+from router.config.fields import ConfigError, Fields, _show
 from router.routing.loads import LoadTracker
 from router.runtime.errors import error_response
 from router.runtime.metrics import RouterMetrics
 from router.traffic.fair_queue import FairClass
 from router.traffic.tenants import DEFAULT_TENANT, TenancySettings
+
+if TYPE_CHECKING:  # named for checkers only: the config reader imports this module's parser
+    from router.config.settings import PolicySpec
+    from router.routing.balancer import Balancer
 
 log = logging.getLogger("fleetroute.admission")
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from router.config.settings import ConfigError, Fields, _show
+from router.config.fields import ConfigError, Fields, _show
 
 DEFAULT_TENANT = "default"
 MAX_TENANTS = 64  # tenant names are metric label values: keep the cardinality bounded

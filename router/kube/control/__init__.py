@@ -18,10 +18,10 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from router.config.settings import ConfigError
+from router.config.fields import ConfigError
 
 if TYPE_CHECKING:
-    from router.config.settings import Fields
+    from router.config.fields import Fields
 
 MAX_PRIORITY = 1000  # the CRD's bounds of spec.priority
 MIN_PRIORITY = -1000
@@ -77,7 +77,7 @@ def parse_control(top: Fields) -> ControlSettings | None:
 
 
 def _kubernetes(f: Fields) -> KubernetesControlSettings:
-    from router.config.settings import _label_selector_problem, _show
+    from router.config.fields import _label_selector_problem, _show
 
     d = KubernetesControlSettings()
 

@@ -50,7 +50,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from router.config.settings import ConfigError, Fields
+from router.config.fields import ConfigError, Fields
 from router.model import Endpoint
 from router.routing.prefix.kv_block_index import DEFAULT_MAX_BLOCKS, KVBlockIndex
 from router.runtime.background import contained
