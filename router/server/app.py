@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import random
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.config.settings import FALLBACK_POLICY, Settings
+from router.config.settings import FALLBACK_POLICY, PolicySpec, Settings
 from router.routing.balancer import Balancer
 from router.routing.loads import LoadTracker
 from router.routing.policies.registry import PolicyRegistry
@@ -335,6 +336,17 @@ def sync_sticky_tables(ctx: RouterContext) -> None:
                                            redis=ctx.sticky_redis, clock=ctx.clock)
 
 
+def install_policies(ctx: RouterContext, policies: tuple[PolicySpec, ...]) -> None:
+    """Route by these policies from now on (a RoutingPolicy change): the settings, the pickers, the per-policy
+    metrics, session tables and health checks follow."""
+    ctx.settings = replace(ctx.settings, policies=policies)
+    ctx.balancer.set_policies(policies)
+    ctx.metrics.set_policies(policies)
+    sync_sticky_tables(ctx)
+    if ctx.http is not None:
+        sync_health_checks(ctx)
+
+
 class ReloadRejected(ValueError):
     pass
 
@@ -400,7 +412,7 @@ async def _control(app: web.Application) -> AsyncIterator[None]:
         return
     from router.kube.control.routing_policies import RoutingPolicyController  # the client is imported only when used
 
-    controller = RoutingPolicyController(settings=kube, ctx=ctx)
+    controller = RoutingPolicyController(settings=kube, ctx=ctx, install=functools.partial(install_policies, ctx))
     await controller.start()
     ctx.control = controller
     try:

@@ -44,7 +44,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from kubernetes.aio import client, config
@@ -57,8 +57,9 @@ from router.kube.control.delegation import REASONS, Refusal, check, file_conflic
 from router.kube.control.spec import policy_from_spec
 from router.kube.discovery.kubernetes import _describe, _status_message, configure_client
 from router.runtime.progress import Progress
-from router.server.app import sync_health_checks, sync_sticky_tables
-from router.server.context import RouterContext
+
+if TYPE_CHECKING:  # the serving layer hands the controller its context: named for checkers only
+    from router.server.context import RouterContext
 
 log = logging.getLogger("fleetroute.control")
 
@@ -104,9 +105,11 @@ def _conditions(outcome: Outcome) -> list[dict[str, Any]]:
 
 class RoutingPolicyController:
     def __init__(self, *, settings: KubernetesControlSettings, ctx: RouterContext,
-                 rng: random.Random | None = None) -> None:
+                 install: Callable[[tuple[PolicySpec, ...]], None], rng: random.Random | None = None) -> None:
+        """`install` makes a new set of policies the router's (router/server/app.py `install_policies`)."""
         self.settings = settings
         self._ctx = ctx
+        self._install = install
         self._rng = rng or random.Random()
         self.identity = settings.holder()
         self.namespace = settings.namespace or "default"
@@ -255,12 +258,7 @@ class RoutingPolicyController:
         policies = self.effective(self.base)
         if policies == ctx.settings.policies:
             return
-        ctx.settings = replace(ctx.settings, policies=policies)
-        ctx.balancer.set_policies(policies)
-        ctx.metrics.set_policies(policies)
-        sync_sticky_tables(ctx)
-        if ctx.http is not None:
-            sync_health_checks(ctx)
+        self._install(policies)
         log.info("routing policies applied", extra={"policies": [p.name for p in policies],
                                                     "presets": {p.name: p.preset for p in policies if p.preset}})
 
