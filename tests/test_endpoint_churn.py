@@ -2,7 +2,7 @@
 real traffic (sessions, prefix-aware least-prefill streams with cost estimates and admission caps, consistent
 hashing, failures that eject and trip breakers, failing health checks, GPU telemetry), and once the pods are
 gone the router holds exactly what it held before they came: the same /metrics series with an `endpoint` label,
-and no structure anywhere that still names one of them (router/health/departures.py).
+and no structure anywhere that still names one of them (router/routing/departures.py).
 
 "Anywhere" is checked generically, not against a list: `endpoint_holders` walks every object reachable from
 the router's context (and the locals of its background loops), so a per-endpoint map someone adds later

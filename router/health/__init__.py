@@ -12,6 +12,5 @@ the floor: panic mode routes to every endpoint when too few are healthy (Envoy's
 
 `stall` is the router's, not a policy's: each endpoint's requests in flight and their progress, which name
 the engines silent past their stall threshold (router/server/rescue.py probes them, ejects the stalled ones
-through each pool's outlier detector, and takes their requests elsewhere). `departures` is an endpoint's way
-out: what is freed, and when, once it leaves.
+through each pool's outlier detector, and takes their requests elsewhere).
 """

@@ -10,7 +10,7 @@ awaits and never rebuilds on the request path.
 
 State that must outlive a rebuild (round-robin cursor, hash ring) is kept per (policy, model) pool.
 
-Endpoints that leave are handed to `departures` (router/health/departures.py), which has every owner of
+Endpoints that leave are handed to `departures` (router/routing/departures.py), which has every owner of
 per-endpoint state forget them, this balancer included (`forget_endpoints`).
 """
 
@@ -25,10 +25,10 @@ from dataclasses import replace
 from typing import Any
 
 from router.config.settings import PolicySpec, default_policy
-from router.health.departures import Departures
 from router.health.gpu import GpuHealth
 from router.health.pool import PoolHealth
 from router.model import Endpoint, EndpointState, EndpointView, RequestInfo, Snapshot, Telemetry
+from router.routing.departures import Departures
 from router.routing.loads import LoadTracker
 from router.routing.policies.base import MAX_LISTED, DecisionTrace, Picker
 from router.routing.policies.registry import PolicyRegistry

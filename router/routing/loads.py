@@ -17,7 +17,7 @@ ordered by in-flight count, moved here at every count change, so least-load pick
 balancer sets them at each rebuild (`set_pools`); a picker finds its pool's by the pool's tuple
 (`load_index`).
 
-An endpoint that leaves keeps all of this until its last request here ends (router/health/departures.py), so its
+An endpoint that leaves keeps all of this until its last request here ends (router/routing/departures.py), so its
 counts stay exact while a terminating pod finishes its streams; then `forget_endpoints` frees it.
 """
 

@@ -6,7 +6,7 @@ in one process). In multi-process mode (`workers > 1`) prometheus-client writes 
 they are merged across processes.
 
 Every family with an `endpoint` label loses that endpoint's series when the endpoint has left and no request
-is in flight there any more (`forget_endpoints`, called by router/health/departures.py), so endpoint churn (pod
+is in flight there any more (`forget_endpoints`, called by router/routing/departures.py), so endpoint churn (pod
 names, with Kubernetes discovery) does not grow the exposition for the life of the process. prometheus-client
 cannot remove a series in multi-process mode (its value lives in the worker's file and would linger with its
 last value), so there the series stay until the workers restart.
@@ -536,7 +536,7 @@ class RouterMetrics:
             ["source"],
             registry=r,
         )
-        # Endpoints leaving the endpoint set (router/health/departures.py).
+        # Endpoints leaving the endpoint set (router/routing/departures.py).
         self.endpoints_forgotten = Counter(
             "fleetroute_endpoints_forgotten",
             "Endpoints that left the endpoint set (discovery or a config reload) and whose state and series were "

@@ -18,10 +18,10 @@ import aiohttp
 from aiohttp import web
 
 from router.config.settings import Settings
-from router.health.departures import EndpointStateOwner
 from router.health.stall import StallDetector
 from router.routing.balancer import Balancer
 from router.routing.cost import CostModel
+from router.routing.departures import EndpointStateOwner
 from router.routing.loads import LoadTracker
 from router.routing.policies.registry import PolicyRegistry
 from router.routing.prefix.upkeep import PrefixUpkeep
@@ -107,7 +107,7 @@ class RouterContext:
 
     def endpoint_state_owners(self) -> list[EndpointStateOwner]:
         """Everything that keeps state per endpoint and must forget an endpoint that leaves, told at once
-        (router/health/departures.py; the load tracker and the metrics are told once nothing is in flight there)."""
+        (router/routing/departures.py; the load tracker and the metrics are told once nothing is in flight there)."""
         owners: list[EndpointStateOwner] = [self.balancer, self.admission, self.status_history, self.stalls,
                                             *self.sticky.values()]
         for owner in (self.telemetry_feed, self.telemetry_collection, self.prefix_upkeep):

@@ -120,7 +120,7 @@ class Policy(Protocol):
     def new_state(self) -> Any:
         """Per-pool state carried across rebuilds (or None). A state that keeps anything per endpoint has a
         `forget_endpoints(gone: frozenset[str])` method, which the balancer calls when endpoints leave the fleet
-        (router/health/departures.py): endpoint ids are pod names, and every rollout brings new ones."""
+        (router/routing/departures.py): endpoint ids are pod names, and every rollout brings new ones."""
         ...
 
     def build(

@@ -109,7 +109,7 @@ class PrefixUpkeep:
         done.set()
 
     def forget_endpoints(self, gone: frozenset[str]) -> None:
-        """Endpoints left: no series of theirs is tracked any more (router/health/departures.py removes them)."""
+        """Endpoints left: no series of theirs is tracked any more (router/routing/departures.py removes them)."""
         self._sized = {labels for labels in self._sized if labels[2] not in gone}
         self._rated = {labels for labels in self._rated if labels[2] not in gone}
 

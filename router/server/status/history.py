@@ -26,7 +26,7 @@ bounded whatever the traffic:
 
 Recording costs a request one dict lookup and a few additions (`finished`, called where the handler records
 the request's metrics); sampling costs one pass over the endpoints per second. An endpoint's rings are created
-by the sampler for members of the snapshot only and freed when it leaves (router/health/departures.py calls
+by the sampler for members of the snapshot only and freed when it leaves (router/routing/departures.py calls
 `forget_endpoints`); a request that ends after its endpoint left finds no ring and is not recorded.
 """
 
@@ -211,7 +211,7 @@ class StatusHistory:
         self.samples += 1
 
     def forget_endpoints(self, gone: frozenset[str]) -> None:
-        """router/health/departures.py: the endpoints left; their rings go."""
+        """router/routing/departures.py: the endpoints left; their rings go."""
         for endpoint_id in gone:
             self._tracks.pop(endpoint_id, None)
 
