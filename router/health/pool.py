@@ -180,7 +180,7 @@ class PoolHealth:
         ) or self.outlier.any_ejected()
 
     def forget(self, endpoint_id: str) -> None:
-        """The endpoint left: its health state goes (its series go with the endpoint's: router/routing/departures.py)."""
+        """The endpoint left: its health state goes (its series go with the endpoint's: routing/departures.py)."""
         reason = self._excluded.pop(endpoint_id, None)
         if reason is not None:
             self._metrics.excluded.remove(self.policy, endpoint_id, reason)
