@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from router.aliases import AliasTable
 from router.departures import Departures
 from router.health.gpu import GpuHealth
 from router.health.pool import PoolHealth
@@ -54,6 +55,7 @@ class Balancer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._policies = tuple(policies)
+        self.aliases = AliasTable.of(self._policies)  # model aliases of the policies in effect (router/aliases.py)
         self._registry = registry
         self._fallback = default_policy(registry)
         # Health state per policy (its settings are per policy); GPU faults are per endpoint, shared.
@@ -160,6 +162,7 @@ class Balancer:
         picker state (round-robin cursor, hash ring) for policies whose strategy and parameters did not."""
         old = {spec.name: spec for spec in self._policies}
         self._policies = tuple(policies)
+        self.aliases = AliasTable.of(self._policies)
         health: dict[str, PoolHealth] = {}
         for spec in (*self._policies, self._fallback):
             previous = old.get(spec.name, self._fallback if spec is self._fallback else None)

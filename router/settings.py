@@ -25,6 +25,7 @@ import yaml
 from redis.asyncio.connection import parse_url as parse_redis_url
 
 from router import presets
+from router.aliases import Alias, AliasConfigError, cross_check, parse_aliases
 from router.cost import CHARS_PER_TOKEN_RANGE, CostSettings
 from router.durations import parse_duration
 from router.health.active import ActiveHealthSettings
@@ -140,6 +141,7 @@ class PolicySpec:
     health: HealthSettings = HealthSettings()
     admission: AdmissionSettings | None = None  # router.admission; None or no cap: admission off
     cost: CostSettings | None = None  # router.cost: request cost estimates; None: none are made
+    aliases: tuple[Alias, ...] = ()  # router.aliases: model aliases with weighted targets
     # The preset the entry was expanded from (router.presets), or None. Where the settings came from, not
     # what they are: two specs that route alike are equal whether written out or from a preset.
     preset: str | None = field(default=None, compare=False)
@@ -492,6 +494,10 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     elif admission.order != "fifo" and admission.max_concurrent_per_endpoint is not None:
         needed_by = f"admission.order: {admission.order}"
     cost = _cost(f.sub("cost"), present=f.get("cost") is not None, needed_by=needed_by)
+    try:
+        aliases = parse_aliases(f.get("aliases"))
+    except AliasConfigError as exc:
+        raise ConfigError(f.at("aliases") + exc.field, exc.message) from None
     f.done()
     return PolicySpec(
         name=name,
@@ -505,6 +511,7 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
         admission=admission,
         cost=cost,
         preset=preset,
+        aliases=aliases,
     )
 
 
@@ -964,6 +971,12 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     from router.tracing import parse_tracing  # here, not on top: router.tracing builds on this module
 
     tracing = parse_tracing(top.sub("tracing")) if top.get("tracing") is not None else None
+    # Aliases across policies; their targets against the endpoints when discovery cannot add any (router/aliases.py).
+    served = {m for ep in endpoints for m in ep.models} if discovery.kubernetes is None else None
+    problem = cross_check(((f"policies[{i}].aliases[{j}]", alias) for i, pol in enumerate(policies)
+                           for j, alias in enumerate(pol.aliases)), served)
+    if problem is not None:
+        raise ConfigError(*problem)
     kv_events = None
     if top.get("kvEvents") is not None:
         from router.kv_events import parse_kv_events  # here, not on top: router.kv_events builds on this module

@@ -51,6 +51,7 @@ from kubernetes.aio import client, config
 from kubernetes.aio.client.exceptions import ApiException
 from prometheus_client import Counter, Gauge
 
+from router.aliases import cross_check
 from router.app import sync_health_checks, sync_sticky_tables
 from router.context import RouterContext
 from router.control import KubernetesControlSettings
@@ -262,7 +263,8 @@ class RoutingPolicyController:
         if ctx.http is not None:
             sync_health_checks(ctx)
         log.info("routing policies applied", extra={"policies": [p.name for p in policies],
-                                                    "presets": {p.name: p.preset for p in policies if p.preset}})
+                                                    "presets": {p.name: p.preset for p in policies if p.preset},
+                                                    "aliases": ctx.balancer.aliases.describe()})
 
     def _judge(self, name: str, obj: dict[str, Any]) -> None:
         """Parse one object's spec (once per spec), keep it if good, record the outcome."""
@@ -279,6 +281,7 @@ class RoutingPolicyController:
         in_effect = previous[0] if previous else None
         try:
             priority, parsed = policy_from_spec(name, spec, self._ctx.registry)
+            self._check_alias_targets(parsed)
         except ConfigError as exc:
             outcome = Outcome(generation, False, str(exc), in_effect, INVALID)
             self._reloads.labels("rejected").inc()
@@ -302,6 +305,17 @@ class RoutingPolicyController:
         self._parsed[name] = (text, outcome)
         self.outcomes[name] = outcome
         self._conflicts.discard(name)  # a new generation: a conflict with the file is logged and counted again
+
+    def _check_alias_targets(self, policy: PolicySpec) -> None:
+        """Where the router knows every endpoint (static ones, no discovery), an alias target no endpoint serves
+        is refused as the config file's would be (router/aliases.py): Invalid, with the parser's kind of message."""
+        settings = self._ctx.settings
+        if not policy.aliases or settings.discovery.kubernetes is not None:
+            return
+        served = {m for ep in settings.endpoints for m in ep.models}
+        problem = cross_check(((f"spec.aliases[{j}]", a) for j, a in enumerate(policy.aliases)), served)
+        if problem is not None:
+            raise ConfigError(*problem)
 
     def _forget(self, name: str) -> None:
         self.objects.pop(name, None)
