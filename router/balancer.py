@@ -31,6 +31,7 @@ from router.health.pool import PoolHealth
 from router.loads import LoadTracker
 from router.metrics import RouterMetrics
 from router.model import Endpoint, EndpointState, EndpointView, RequestInfo, Snapshot, Telemetry
+from router.policies import lora_affinity
 from router.policies.base import MAX_LISTED, DecisionTrace, Picker
 from router.policies.registry import PolicyRegistry
 from router.settings import PolicySpec, default_policy
@@ -491,18 +492,35 @@ class Balancer:
         spec, picker = entry
         if self._held_out:
             exclude = exclude | self._held_out
+        tiers = None
+        if spec.lora is not None:
+            exclude, tiers = self._lora_affinity(req.model, spec.lora, exclude)
         if trace is None:
             view = picker.pick(req, self.loads, exclude)
         else:
             view = picker.pick(req, self.loads, exclude, trace)
             self.annotate(req.model, trace, exclude)
+            for endpoint_id, where in (tiers or {}).items():
+                trace.candidates.setdefault(endpoint_id, {})["lora"] = where
         if view is not None:
             key = (spec.name, view.id)
             child = self._decision_children.get(key)
             if child is None:
                 child = self._decision_children[key] = self._metrics.decisions.labels(spec.name, spec.strategy, view.id)
             child.inc()
+            if tiers is not None:
+                self._metrics.lora_picks.labels(spec.name, tiers.get(view.id, lora_affinity.UNKNOWN)).inc()
         return view
+
+    def _lora_affinity(self, model: str, settings: lora_affinity.LoraAffinity,
+                       exclude: frozenset[str]) -> tuple[frozenset[str], dict[str, str]]:
+        """`exclude` plus the candidates LoRA affinity leaves out for a request naming adapter `model`, and each
+        candidate's tier (router/policies/lora_affinity.py); the latest telemetry, not the pool's build."""
+        by_id = self.snapshot.by_id
+        candidates = [(view.id, (by_id.get(view.id) or view).telemetry)
+                      for view in self._pools.get(model, ()) if view.id not in exclude]
+        out, tiers = lora_affinity.keep_out(candidates, model, settings, self.loads.in_flight)
+        return (exclude | out if out else exclude), tiers
 
     # ---- explanations (router/explain.py): read only, and only for requests that are explained ------------
 

@@ -229,6 +229,13 @@ class RouterMetrics:
             ["policy", "outcome"],
             registry=r,
         )
+        self.lora_picks = Counter(
+            "fleetroute_lora_picks",
+            "Picks for a LoRA adapter (a model of a policy with a lora: block), by policy and where the adapter "
+            "stood on the chosen engine: active, free_slot, full or unknown.",
+            ["policy", "tier"],
+            registry=r,
+        )
         self.alias_requests = Counter(
             "fleetroute_alias_requests",
             "Requests for a model alias, by alias and the target they were sent to (both from configuration).",

@@ -37,6 +37,7 @@ from router.health.stall import StallSettings
 from router.model import Endpoint
 from router.policies.base import PolicyConfigError
 from router.policies.consistent_hash import HashKey, parse_key
+from router.policies.lora_affinity import LoraAffinity, LoraConfigError, parse_lora
 from router.policies.registry import PolicyRegistry
 from router.redaction import redact_url
 from router.redis_client import RedisSettings, SentinelSettings
@@ -142,6 +143,7 @@ class PolicySpec:
     admission: AdmissionSettings | None = None  # router.admission; None or no cap: admission off
     cost: CostSettings | None = None  # router.cost: request cost estimates; None: none are made
     aliases: tuple[Alias, ...] = ()  # router.aliases: model aliases with weighted targets
+    lora: LoraAffinity | None = None  # router.policies.lora_affinity: the models are LoRA adapters
     # The preset the entry was expanded from (router.presets), or None. Where the settings came from, not
     # what they are: two specs that route alike are equal whether written out or from a preset.
     preset: str | None = field(default=None, compare=False)
@@ -498,6 +500,10 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
         aliases = parse_aliases(f.get("aliases"))
     except AliasConfigError as exc:
         raise ConfigError(f.at("aliases") + exc.field, exc.message) from None
+    try:
+        lora = parse_lora(f.get("lora"))
+    except LoraConfigError as exc:
+        raise ConfigError(f.at("lora") + exc.field, exc.message) from None
     f.done()
     return PolicySpec(
         name=name,
@@ -512,6 +518,7 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
         cost=cost,
         preset=preset,
         aliases=aliases,
+        lora=lora,
     )
 
 

@@ -283,6 +283,13 @@ CASES = [
     Case("a preset's cap with shortest-expected-first and cost off", {
         "preset": "realtime-chat", "admission": {"order": "shortest-expected-first"}, "cost": {"enabled": False}},
          ROUTER_ONLY, PRESET),
+    # ---- LoRA affinity (router/policies/lora_affinity.py)
+    ok("LoRA affinity with its defaults", lora={}),
+    ok("LoRA affinity with a spillover", lora={"spillover": 2}),
+    bad("lora not a mapping", lora=True),
+    bad("a spillover of 0", lora={"spillover": 0}),
+    bad("a fractional spillover", lora={"spillover": 1.5}),
+    bad("an unknown lora field", lora={"slots": 2}),
     # ---- model aliases (router/aliases.py)
     ok("an alias with a 90/10 split", aliases=[{"name": "llama", "targets": [
         {"model": "llama-v1", "weight": 90}, {"model": "llama-v2", "weight": 10}]}]),

@@ -4,12 +4,16 @@ as vLLM writes it; the parser reads the engine's state from it and the telemetry
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import random
 
 import aiohttp
 import pytest
 
+from router.model import Telemetry
+from router.policies.lora_affinity import ACTIVE, FREE_SLOT, FULL, UNKNOWN, LoraAffinity, keep_out, tier
+from router.settings import ConfigError, parse_settings
 from tests.sim_server import MODEL
 from worker.protocol import EngineSample, GpuSample, TelemetryRecord, decode, encode, out_of_range
 from worker.sim.cli import apply_vllm_args, lora_module_specs
@@ -155,3 +159,105 @@ def test_the_telemetry_record_carries_the_adapters_and_refuses_absurd_ones() -> 
     with pytest.raises(ValueError, match="adapter names"):
         decode({**fields, "lora_running_adapters": ",".join(f"a{i}" for i in range(300))})
     assert out_of_range(decode({**fields, "max_lora": "100000"})) is not None
+
+
+# ---- the router: affinity ---------------------------------------------------------------------------------
+
+
+def t(running: tuple[str, ...] | None, waiting: tuple[str, ...] = (), max_lora: int | None = 1) -> Telemetry:
+    return Telemetry(reported_at=0.0, lora_running=None if running is None else frozenset(running),
+                     lora_waiting=frozenset(waiting), max_lora=max_lora)
+
+
+@pytest.mark.parametrize(("telemetry", "expected"), [
+    (t(("sql",)), ACTIVE), (t((), waiting=("sql",)), ACTIVE), (t(()), FREE_SLOT), (t(("chat",)), FULL),
+    (t(("chat",), max_lora=2), FREE_SLOT), (t(("chat",), waiting=("math",), max_lora=2), FULL),
+    (t(None), UNKNOWN), (t(("sql",), max_lora=None), UNKNOWN), (None, UNKNOWN),
+])
+def test_where_an_adapter_stands_on_an_engine(telemetry, expected) -> None:
+    assert tier(telemetry, "sql") == expected
+
+
+@pytest.mark.parametrize(("engines", "in_flight", "kept"), [
+    # active engines only; full ones never while another has room
+    ({"a": t(("sql",)), "b": t(()), "c": t(("chat",))}, {}, {"a"}),
+    # no engine has it: those with a free slot (and those that report nothing)
+    ({"a": t(("math",)), "b": t(()), "c": None}, {}, {"b", "c"}),
+    # every engine full: all stay, the policy picks by load
+    ({"a": t(("math",)), "b": t(("chat",))}, {}, {"a", "b"}),
+    # a hot adapter spreads: its engine has `spillover` (2) more in flight than the idlest with room...
+    ({"a": t(("sql",)), "b": t(()), "c": t(("chat",))}, {"a": 2}, {"a", "b"}),
+    # ...but not before
+    ({"a": t(("sql",)), "b": t(()), "c": t(("chat",))}, {"a": 2, "b": 1}, {"a"}),
+])
+def test_affinity_keeps_the_best_group_and_spills_a_hot_adapter(engines, in_flight, kept) -> None:
+    out, tiers = keep_out(engines.items(), "sql", LoraAffinity(spillover=2), lambda e: in_flight.get(e, 0))
+    assert set(engines) - out == kept and set(tiers) == set(engines)
+
+
+@pytest.mark.parametrize(("block", "message"), [
+    (True, "must be a mapping"), ({"spillover": 0}, "integer from 1"), ({"spillover": 2.5}, "integer from 1"),
+    ({"slots": 1}, "unknown field"),
+])
+def test_bad_lora_blocks_are_named(block, message) -> None:
+    config = {"endpoints": [{"id": "a", "url": "http://127.0.0.1:9", "models": ["sql"]}],
+              "policies": [{"name": "adapters", "models": ["sql"], "strategy": "least-connections", "lora": block}]}
+    with pytest.raises(ConfigError, match=message) as caught:
+        parse_settings(config)
+    assert "policies[0].lora" in str(caught.value)
+
+
+BASE = "llama"
+ADAPTERS = (("sql", "/adapters/sql"), ("chat", "/adapters/chat"), ("math", "/adapters/math"))
+
+
+async def _hold(http: aiohttp.ClientSession, url: str, model: str) -> aiohttp.ClientResponse:
+    """A long stream for `model`, read up to its first token: the adapter is running until it is closed."""
+    resp = await http.post(url + "/v1/completions", json={
+        "model": model, "prompt": "hold", "max_tokens": 1900, "stream": True})
+    assert resp.status == 200
+    await resp.content.readuntil(b"\n\n")
+    return resp
+
+
+async def test_the_router_sends_an_adapter_where_it_is_active_else_to_a_free_slot(make_sim, make_router, http) -> None:
+    sims = {name: await make_sim(time_scale=1.0, max_loras=1, lora_modules=ADAPTERS) for name in "abc"}
+    router = await make_router(
+        [], endpoints=[{"id": n, "url": s.url, "models": [MODEL, *(a for a, _ in ADAPTERS)]} for n, s in sims.items()],
+        policies=[{"name": "adapters", "models": [a for a, _ in ADAPTERS], "strategy": "least-connections",
+                   "lora": {"spillover": 2}},
+                  {"name": "base", "models": [MODEL], "strategy": "least-connections"}],
+        telemetry={"enabled": True, "interval": "50ms", "staleAfter": "10s"})
+    held = [await _hold(http, sims["a"].url, "sql"), await _hold(http, sims["b"].url, "chat")]  # not via the router
+    try:
+        def seen(name: str) -> frozenset[str] | None:
+            view = router.ctx.balancer.snapshot.by_id.get(name)
+            return None if view is None or view.telemetry is None else view.telemetry.lora_running
+
+        async with asyncio.timeout(10):
+            while (seen("a"), seen("b"), seen("c")) != ({"sql"}, {"chat"}, frozenset()):
+                await router.ctx.telemetry_round.wait()
+
+        async def endpoint(model: str) -> str:
+            async with http.post(router.ingress_url + "/v1/completions",
+                                 json={"model": model, "prompt": "x", "max_tokens": 1}) as resp:
+                assert resp.status == 200 and (await resp.json())["model"] == model
+                return resp.headers["x-fleetroute-endpoint"]
+
+        # sql is active on a, chat on b (whose only slot it holds), math nowhere: c has the free slot.
+        assert {await endpoint("sql") for _ in range(6)} == {"a"}
+        assert {await endpoint("chat") for _ in range(6)} == {"b"}
+        assert {await endpoint("math") for _ in range(6)} == {"c"}
+        # The base model needs no adapter slot: its policy has no affinity, and spreads it by load alone.
+        assert len({await endpoint(MODEL) for _ in range(9)}) >= 2
+        # A hot adapter spreads: with two sql streams through the router on a, c (free slot) takes the next.
+        held += [await _hold(http, router.ingress_url, "sql") for _ in range(2)]
+        assert [r.headers["x-fleetroute-endpoint"] for r in held[2:]] == ["a", "a"]
+        assert await endpoint("sql") == "c"
+        async with http.get(router.admin_url + "/metrics") as resp:
+            page = await resp.text()
+        assert 'fleetroute_lora_picks_total{policy="adapters",tier="active"} 14.0' in page
+        assert 'fleetroute_lora_picks_total{policy="adapters",tier="free_slot"} 7.0' in page
+    finally:
+        for resp in held:
+            resp.close()
