@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(seed-table seed-table-weighted degraded-node prefix-heavy no-sharing
                                  peers-heterogeneous peers-prefix-heavy peers-prefix-heavy-repeat peers-prefix-heavy-high
-                                 overhead scale lab streams faults)
+                                 overhead scale lab streams faults tenants)
 for step in "${steps[@]}"; do
     echo "=== $step ($(date -u +%H:%M:%S))"
     case "$step" in
@@ -26,6 +26,8 @@ for step in "${steps[@]}"; do
             python -m loadtest.streams --no-pin --open-rate 250 --json "$OUT/streams/streams.json" ;;
         faults)
             python -m loadtest.faults --json "$OUT/faults/faults.json" ;;
+        tenants)
+            python -m loadtest.tenants --json "$OUT/tenants/tenants.json" ;;
         lab)
             mkdir -p "$OUT/lab"
             LEAST_PREFILL='prefix-aware least-prefill={"strategy": "prefix-aware", "prefixAware": {"selection": "least-prefill"}}'

@@ -8,8 +8,9 @@ The document holds the prose; each measured block sits between two markers and i
 
 Names: a scenario's (its report and plots, the PNGs copied to docs/img/), `lab:<file stem>` (a lab table),
 `overhead` (the router-overhead comparison with the peers), `scale` (the scale benchmark's tables and
-plots), `streams` and `faults` (loadtest/streams.py's and loadtest/faults.py's JSON: `<results>/<name>/<name>.json`,
-else the run committed as docs/results/<name>.json). A block whose results are missing is left as it is, and said so.
+plots), `streams`, `faults` and `tenants` (the JSON of loadtest/streams.py, faults.py and tenants.py:
+`<results>/<name>/<name>.json`, else the run committed as docs/results/<name>.json). A block whose results
+are missing is left as it is, and said so.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def render(name: str, results: Path, images: Path) -> str | None:
     if name == "overhead":
         found = sorted((results / "overhead").glob("router-overhead-*.json"))
         return overhead_table(json.loads(found[-1].read_text())) if found else None
-    if name in ("streams", "faults"):  # a run's JSON: this machine's latest, else the one committed in docs/results/
+    if name in ("streams", "faults", "tenants"):  # a run's JSON: this machine's latest, else the committed one
         path = next((p for p in (results / name / f"{name}.json", ROOT / "docs" / "results" / f"{name}.json")
                      if p.exists()), None)
         if path is None:
@@ -88,6 +89,11 @@ def render(name: str, results: Path, images: Path) -> str | None:
             from loadtest.faults import table
 
             return table(result) + f"\nRun {result['started_utc']}; the whole result: `{path.relative_to(ROOT)}`.\n"
+        if name == "tenants":
+            from loadtest import tenants
+
+            plot = tenants.write_plot(result, images)
+            return tenants.render_markdown(result) + f"\n![{plot.stem}](img/{plot.name})\n"
         from loadtest.streams import render_markdown, write_plot
 
         plot = write_plot(result, images)

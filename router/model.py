@@ -48,6 +48,11 @@ class Telemetry:
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
     kv_capacity_tokens: int | None = None  # tokens the engine's KV cache holds (vllm:cache_config_info)
+    # LoRA (engines with --enable-lora; vllm:lora_requests_info): adapters with requests running or waiting,
+    # and the engine's adapter slots. None: the engine reports no LoRA state.
+    lora_running: frozenset[str] | None = None
+    lora_waiting: frozenset[str] | None = None
+    max_lora: int | None = None
     # GPU health from NVML (via the agent): cumulative XID / uncorrectable ECC counts, clocks-event reasons.
     gpu_lost: bool = False
     gpu_xid_errors: int | None = None

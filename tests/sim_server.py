@@ -25,10 +25,11 @@ class RunningSim:
 async def make_sim() -> AsyncIterator[Callable[..., Awaitable[RunningSim]]]:
     started: list[RunningSim] = []
 
-    async def make(*, gpu: str = "h100", time_scale: float = 0.05, fault_injection: bool = True, **engine: Any) -> RunningSim:
+    async def make(*, gpu: str = "h100", time_scale: float = 0.05, fault_injection: bool = True,
+                   lora_modules: tuple[tuple[str, str], ...] = (), **engine: Any) -> RunningSim:
         config = EngineConfig(**engine)
         settings = SimSettings(model=MODEL, profile=profile(gpu), engine=config, time_scale=time_scale,
-                               max_model_len=2048, fault_injection=fault_injection)
+                               max_model_len=2048, fault_injection=fault_injection, lora_modules=lora_modules)
         server = SimServer(settings, EngineCore(profile(gpu), config, random.Random(0)))
         runner = web.AppRunner(server.build_app(), handler_cancellation=True, shutdown_timeout=0.5)
         await runner.setup()

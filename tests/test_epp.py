@@ -298,6 +298,29 @@ async def test_whole_and_streamed_answers_land_where_the_picker_routed_them(engi
     assert picker.ctx.loads.total() == 0
 
 
+async def test_a_model_alias_is_rewritten_for_the_engine_and_answered_as_the_engine_wrote_it(make_picker, start_envoy):
+    # The same alias as behind the proxy (tests/test_aliases.py): the body Envoy forwards names the target.
+    v1, v2 = [await FakeEngine(name=n, models=(m,)).start() for n, m in (("v1", "llama-3-8b-v1"), ("v2", "llama-3-8b-v2"))]
+    try:
+        alias = [{"name": "llama-3-8b", "targets": [{"model": "llama-3-8b-v2", "weight": 1}]}]
+        picker = await make_picker([v1, v2], policies=[{"name": "all", "models": ["*"], "aliases": alias}])
+        envoy = await start_envoy(bootstrap(picker.grpc_port, [v1, v2], fail_open=False, subset=[]))
+        async with aiohttp.ClientSession() as http:
+            status, headers, body = await post(http, envoy.listeners["main"], chat(model="llama-3-8b"), "a-1")
+            assert status == 200 and orjson.loads(body)["model"] == "llama-3-8b-v2", body
+            status, _, streamed = await post(http, envoy.listeners["main"], chat(stream=True, model="llama-3-8b"), "a-2")
+            assert status == 200 and streamed.rstrip().endswith(b"data: [DONE]")
+            assert {orjson.loads(line[6:])["model"] for line in streamed.splitlines()
+                    if line.startswith(b"data: {")} == {"llama-3-8b-v2"}
+        assert [r["body"]["model"] for r in v2.requests] == ["llama-3-8b-v2"] * 2 and not v1.requests
+        assert v2.requests[0]["body"] == chat(model="llama-3-8b-v2")  # only the model changed
+        text = picker.ctx.metrics.render()[0].decode()
+        assert 'fleetroute_alias_requests_total{alias="llama-3-8b",target="llama-3-8b-v2"} 2.0' in text
+    finally:
+        for engine in (v1, v2):
+            await engine.stop()
+
+
 async def test_a_request_counts_in_flight_until_its_last_byte(engines, make_picker, start_envoy):
     # least-connections: while one engine holds a stream open, the picker must see it and send the next ones
     # elsewhere (a gate holds a stream after its first token; answers that are not streamed pass).

@@ -464,6 +464,25 @@ def test_routing_policy_delegation_values_reach_the_router(helm, tmp_path, monke
     assert (control.kubernetes.max_priority, control.kubernetes.override_file_policies) == (50, True)
 
 
+def test_the_charts_routing_policies_with_model_aliases_are_delegated(helm, tmp_path, monkeypatch):
+    from router.kube.control.delegation import check
+    from router.kube.control.spec import policy_from_spec
+    from router.routing.policies.registry import PolicyRegistry
+    from tests.fake_crd import FakeCRD
+
+    canary = [{"name": "canary", "spec": {"models": ["qwen2.5-1.5b-v*"], "aliases": [{"name": "qwen2.5-1.5b", "targets": [
+        {"model": "qwen2.5-1.5b-v1", "weight": 90}, {"model": "qwen2.5-1.5b-v2", "weight": 10}]}]}}]
+    objs = [d for d in yaml.safe_load_all(_template(helm, "--set-json", f"routingPolicies={json.dumps(canary)}")) if d]
+    control = _parse_as_the_router_pod(objs, tmp_path, monkeypatch).control
+    assert control is not None and control.kubernetes is not None
+    # The alias takes the requests for its name and sends them to its targets: all three are delegated.
+    assert {"qwen2.5-1.5b-v*", "qwen2.5-1.5b", "qwen2.5-1.5b-v1", "qwen2.5-1.5b-v2"} <= set(control.kubernetes.allowed_models)
+    obj = json.loads(json.dumps(_one(objs, "RoutingPolicy", "canary")))
+    assert FakeCRD(CRD).admit(obj) == []
+    priority, policy = policy_from_spec("canary", obj["spec"], PolicyRegistry())
+    assert check(policy, priority, control.kubernetes) is None
+
+
 def test_redis_builtin_external_secret_or_off(rendered):
     kinds = lambda name: {(o["kind"], o["metadata"]["name"]) for o in rendered[name]}  # noqa: E731
 

@@ -300,6 +300,29 @@ async def test_a_preset_spec_the_router_refuses_says_why_in_status(
     assert condition(kube, "chat", "Ready")["reason"] == "NotInEffect"
 
 
+async def test_a_routing_policy_alias_to_an_unserved_model_is_refused_in_status_then_applied(
+    kube: FakeKube, make_engine: MakeEngine, make_router: MakeRouter, http: aiohttp.ClientSession, tmp_path: Path,
+) -> None:
+    engines = [await make_engine("vllm-0"), await make_engine("vllm-v2", models=("llama-3-8b-v2",))]
+    router = await start(make_router, kube, tmp_path, engines, identity="router-a")
+    # The schema cannot know what the endpoints serve; this router's are all static, so it can, and says so.
+    typo = [{"name": "llama", "targets": [{"model": MODEL, "weight": 9}, {"model": "llama-3-8b-v3", "weight": 1}]}]
+    status, _ = await post(http, kube, policy("canary", models=["llama*"], aliases=typo))
+    assert status == 201
+    await until(router, lambda: condition(kube, "canary", "Accepted").get("reason") == "Invalid")
+    assert condition(kube, "canary", "Accepted")["message"] == (
+        "spec.aliases[0].targets[1].model: no endpoint serves 'llama-3-8b-v3' (the endpoints serve: llama-3-8b, "
+        "llama-3-8b-v2)")
+    assert router.ctx.balancer.aliases.get("llama") is None
+    fixed = [{"name": "llama", "targets": [{"model": "llama-3-8b-v2", "weight": 1}]}]
+    await patch(http, kube, "canary", {"spec": {"aliases": fixed}})
+    await until(router, lambda: condition(kube, "canary", "Accepted").get("status") == "True")
+    body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}]}
+    async with http.post(router.ingress_url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200 and (await resp.json())["model"] == "llama-3-8b-v2"
+    assert engines[1].requests[-1]["body"]["model"] == "llama-3-8b-v2"
+
+
 # ---- routers watching RoutingPolicies ----------------------------------------------------------------------
 
 

@@ -83,7 +83,7 @@ def test_empty_file_gives_defaults() -> None:
         ("policies[0].consistentHash.key", "cookie:x", "policies[0].consistentHash.key: must look like 'header:<name>' or 'body:<field>'"),
         ("policies[0].roundRobin", [1], "policies[0].roundRobin: must be a mapping"),
         ("policies[0].roundRobin", {"x": 1}, "policies[0].roundRobin.x: unknown parameter (this strategy takes no parameters)"),
-        ("policies[0].consistenthash", {}, "policies[0].consistenthash: unknown field (expected one of: adaptive, admission, circuitBreaker, composite, consistentHash,"),
+        ("policies[0].consistenthash", {}, "policies[0].consistenthash: unknown field (expected one of: adaptive, admission, aliases, circuitBreaker, composite, consistentHash,"),
         ("policies[0].timeouts", {"connect": "soon"}, "policies[0].timeouts.connect: must be a positive duration like 2s, 500ms or 1.5, got 'soon'"),
         ("policies[0].retries", {"attempts": 0}, "policies[0].retries.attempts: must be between 1 and 10, got 0"),
         ("policies[0].models", "llama", "policies[0].models: must be a non-empty list"),

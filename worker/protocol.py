@@ -39,6 +39,10 @@ Fields (all strings, as Redis stores them; a signal the agent could not read is 
     kv_capacity_tokens  tokens the engine's KV cache holds (vllm:cache_config_info: kv_cache_size_tokens,
                       else num_gpu_blocks x block_size; summed over data-parallel engines). Optional: agents
                       before it simply leave it out, and readers that predate it ignore it.
+    lora_running_adapters, lora_waiting_adapters
+                      LoRA adapters with requests running / waiting, comma-separated (vllm:lora_requests_info,
+                      its newest series); present only for an engine with --enable-lora, "" when none
+    max_lora          the engine's adapter slots (its max_lora label). Optional, as kv_capacity_tokens
 
 The TTL is a few intervals, so a dead agent's record disappears by itself rather than lying. Routers also
 judge age from `reported_at` and treat old records as unknown.
@@ -124,6 +128,10 @@ class EngineSample:
     prefix_cache_hits: float | None = None
     preemptions_total: float | None = None
     kv_capacity_tokens: int | None = None
+    # LoRA (engines with --enable-lora only): adapters with requests running / waiting, and adapter slots.
+    lora_running: tuple[str, ...] | None = None
+    lora_waiting: tuple[str, ...] | None = None
+    max_lora: int | None = None
 
 
 @dataclass(frozen=True)
@@ -157,7 +165,13 @@ _ENGINE_FIELDS = {
     "prefix_cache_hits": "prefix_cache_hits_total",
     "preemptions_total": "preemptions_total",
     "kv_capacity_tokens": "kv_capacity_tokens",
+    "lora_running": "lora_running_adapters",
+    "lora_waiting": "lora_waiting_adapters",
+    "max_lora": "max_lora",
 }
+_ADAPTER_FIELDS = {"lora_running", "lora_waiting"}
+MAX_ADAPTERS = 256  # adapter names in one field: more is no engine's state (vLLM's max_loras is far below)
+MAX_ADAPTER_NAME = 256
 _INT_FIELDS = {"mem_used_bytes", "mem_total_bytes", "throttle_reasons", "xid_errors", "ecc_uncorrected",
                "retired_pages", "count"}
 
@@ -183,7 +197,7 @@ def encode(record: TelemetryRecord) -> dict[str, str]:
     _put(out, "prefix_cache_hit_rate", record.prefix_cache_hit_rate)
     _put_gpu(out, record.gpu)
     for name, value in asdict(record.engine).items():
-        _put(out, _ENGINE_FIELDS[name], value)
+        _put(out, _ENGINE_FIELDS[name], ",".join(value) if name in _ADAPTER_FIELDS and value is not None else value)
     return out
 
 
@@ -214,9 +228,11 @@ def decode(raw: Mapping[str, str]) -> TelemetryRecord:
     for name, key in _ENGINE_FIELDS.items():
         if name == "up":
             engine_kwargs[name] = raw.get(key) == "1"
-        elif name == "kv_capacity_tokens":
+        elif name in ("kv_capacity_tokens", "max_lora"):
             value = _float(raw, key)
             engine_kwargs[name] = int(value) if value is not None and value > 0 else None
+        elif name in _ADAPTER_FIELDS:
+            engine_kwargs[name] = _adapters(raw.get(key), key)
         else:
             engine_kwargs[name] = _float(raw, key)
     return TelemetryRecord(
@@ -229,6 +245,15 @@ def decode(raw: Mapping[str, str]) -> TelemetryRecord:
         engine=EngineSample(**engine_kwargs),  # type: ignore[arg-type]
         prefix_cache_hit_rate=_float(raw, "prefix_cache_hit_rate"),
     )
+
+
+def _adapters(text: str | None, key: str) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(name for name in text.split(",") if name)
+    if len(names) > MAX_ADAPTERS or any(len(name) > MAX_ADAPTER_NAME for name in names):
+        raise ValueError(f"{key}: more than {MAX_ADAPTERS} adapter names, or one over {MAX_ADAPTER_NAME} characters")
+    return names
 
 
 def _decode_gpu(raw: Mapping[str, str]) -> GpuSample:
@@ -333,6 +358,7 @@ LIMITS: dict[str, tuple[float, float]] = {
     "engine.prefix_cache_hits": _TOKENS,
     "engine.preemptions_total": _TOKENS,
     "engine.kv_capacity_tokens": (1, 1e10),
+    "engine.max_lora": (1, 1e4),
 }
 
 

@@ -15,6 +15,10 @@ vLLM's series, across versions (V0 `vllm/engine/metrics.py`, V1 `vllm/v1/metrics
     vllm:cache_config_info             gauge    1, with the cache configuration as labels: the KV capacity
                                                 is `kv_cache_size_tokens` where present (vLLM 0.32), else
                                                 `num_gpu_blocks` x `block_size` (label values may be "None")
+    vllm:lora_requests_info            gauge    with --enable-lora: set to the current time under labels
+                                                `max_lora`, `running_lora_adapters`, `waiting_lora_adapters`
+                                                (comma-separated names); old label sets stay on the page, so
+                                                the series with the largest value is the state now
 
 Series carry labels (`model_name`, `engine` for data-parallel ranks): counts are summed across series,
 the usage fraction is averaged. A family that is missing (older or newer vLLM, a renamed series) leaves its
@@ -35,9 +39,10 @@ PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
 PREEMPTIONS = "vllm:num_preemptions"
 CACHE_CONFIG = "vllm:cache_config_info"
-_FAMILIES = (WAITING, RUNNING, *KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS, CACHE_CONFIG)
+LORA_INFO = "vllm:lora_requests_info"
+_FAMILIES = (WAITING, RUNNING, *KV_USAGE, PREFIX_QUERIES, PREFIX_HITS, PREEMPTIONS, CACHE_CONFIG, LORA_INFO)
 _SAMPLE_NAMES = {WAITING, RUNNING, *KV_USAGE, f"{PREFIX_QUERIES}_total", f"{PREFIX_HITS}_total",
-                 f"{PREEMPTIONS}_total", CACHE_CONFIG}
+                 f"{PREEMPTIONS}_total", CACHE_CONFIG, LORA_INFO}
 
 
 def _relevant_lines(text: str) -> str:
@@ -71,14 +76,22 @@ def kv_capacity_tokens(labels: dict[str, str]) -> int | None:
     return blocks * block_size if blocks is not None and block_size is not None else None
 
 
+def _adapters(text: str | None) -> tuple[str, ...]:
+    return tuple(name for name in (text or "").split(",") if name)
+
+
 def parse_vllm_metrics(text: str) -> EngineSample:
     """An `EngineSample` from a metrics page; raises ValueError if the page is not Prometheus text."""
     values: dict[str, list[float]] = {}
     capacities: list[int | None] = []
+    lora: tuple[float, dict[str, str]] | None = None  # the newest lora_requests_info series
     for family in text_string_to_metric_families(_relevant_lines(text)):
         for sample in family.samples:
             if sample.name == CACHE_CONFIG:
                 capacities.append(kv_capacity_tokens(sample.labels))
+            elif sample.name == LORA_INFO:
+                if lora is None or sample.value > lora[0]:
+                    lora = (sample.value, sample.labels)
             elif sample.name in _SAMPLE_NAMES:
                 values.setdefault(sample.name.removesuffix("_total"), []).append(float(sample.value))
 
@@ -98,4 +111,7 @@ def parse_vllm_metrics(text: str) -> EngineSample:
         # Data-parallel engines each have their own cache: the endpoint holds their sum. One rank with an
         # unreadable configuration makes the whole capacity unknown rather than understated.
         kv_capacity_tokens=sum(known) if known and len(known) == len(capacities) else None,
+        lora_running=_adapters(lora[1].get("running_lora_adapters")) if lora else None,
+        lora_waiting=_adapters(lora[1].get("waiting_lora_adapters")) if lora else None,
+        max_lora=_positive_int(lora[1], "max_lora") if lora else None,
     )

@@ -34,9 +34,11 @@ from router.health.pool import HealthSettings
 from router.health.slow_start import SlowStartSettings
 from router.health.stall import StallSettings
 from router.model import Endpoint
+from router.routing.aliases import Alias, AliasConfigError, cross_check, parse_aliases
 from router.routing.cost import CHARS_PER_TOKEN_RANGE, CostSettings
 from router.routing.policies.base import PolicyConfigError
 from router.routing.policies.consistent_hash import HashKey, parse_key
+from router.routing.policies.lora_affinity import LoraAffinity, LoraConfigError, parse_lora
 from router.routing.policies.registry import PolicyRegistry
 from router.routing.sticky import StickinessSettings
 from router.runtime.redis_client import RedisSettings, SentinelSettings
@@ -134,6 +136,8 @@ class PolicySpec:
     health: HealthSettings = HealthSettings()
     admission: AdmissionSettings | None = None  # router.traffic.admission; None or no cap: admission off
     cost: CostSettings | None = None  # router.routing.cost: request cost estimates; None: none are made
+    aliases: tuple[Alias, ...] = ()  # router.routing.aliases: model aliases with weighted targets
+    lora: LoraAffinity | None = None  # router.routing.policies.lora_affinity: the models are LoRA adapters
     # The preset the entry was expanded from (router.config.presets), or None. Where the settings came from, not
     # what they are: two specs that route alike are equal whether written out or from a preset.
     preset: str | None = field(default=None, compare=False)
@@ -372,6 +376,14 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
     elif admission.order != "fifo" and admission.max_concurrent_per_endpoint is not None:
         needed_by = f"admission.order: {admission.order}"
     cost = _cost(f.sub("cost"), present=f.get("cost") is not None, needed_by=needed_by)
+    try:
+        aliases = parse_aliases(f.get("aliases"))
+    except AliasConfigError as exc:
+        raise ConfigError(f.at("aliases") + exc.field, exc.message) from None
+    try:
+        lora = parse_lora(f.get("lora"))
+    except LoraConfigError as exc:
+        raise ConfigError(f.at("lora") + exc.field, exc.message) from None
     f.done()
     return PolicySpec(
         name=name,
@@ -385,6 +397,8 @@ def _policy(path: str, raw: Any, registry: PolicyRegistry) -> PolicySpec:
         admission=admission,
         cost=cost,
         preset=preset,
+        aliases=aliases,
+        lora=lora,
     )
 
 
@@ -786,6 +800,12 @@ def parse_settings(raw: Any, registry: PolicyRegistry | None = None) -> Settings
     from router.server.tracing import parse_tracing  # here: a layer above the reader (docs/architecture.md)
 
     tracing = parse_tracing(top.sub("tracing")) if top.get("tracing") is not None else None
+    # Aliases across policies; their targets against the endpoints when discovery cannot add any (routing/aliases.py).
+    served = {m for ep in endpoints for m in ep.models} if discovery.kubernetes is None else None
+    problem = cross_check(((f"policies[{i}].aliases[{j}]", alias) for i, pol in enumerate(policies)
+                           for j, alias in enumerate(pol.aliases)), served)
+    if problem is not None:
+        raise ConfigError(*problem)
     kv_events = None
     if top.get("kvEvents") is not None:
         from router.routing.prefix.kv_events import (

@@ -3,10 +3,11 @@
 Envoy forwards the bytes; this only decides. A stream goes:
 1. request headers: kept (model-independent checks need the body); the gateway's subset hint is read;
 2. request body (BUFFERED: whole, `end_of_stream`): parsed exactly as the aiohttp router parses it, then the
-   shared routing core (router/server/route.py) describes the request, estimates its cost, finds its session's pin,
-   admission admits or sheds it, and the balancer picks (within the subset, if any). The answer sets the
-   destination header and `envoy.lb` metadata (router/gateway/protocol.py), or is an ImmediateResponse in the
-   OpenAI error shape (400/404 refused, 429 shed, 503 no endpoint);
+   shared routing core (router/server/route.py) resolves a model alias, describes the request, estimates its cost,
+   finds its session's pin, admission admits or sheds it, and the balancer picks (within the subset, if any).
+   The answer sets the destination header and `envoy.lb` metadata (router/gateway/protocol.py), with the body
+   rewritten for an alias's target (a body mutation and its content-length), or is an ImmediateResponse in
+   the OpenAI error shape (400/404 refused, 429 shed, 503 no endpoint);
 3. response headers: the gateway's served endpoint (a fallback may have answered) and the status: the outcome
    goes to health (>= 500 is a failure: outlier detection and breakers see it as they do behind the proxy);
 4. the end: the request counts as in flight at its endpoint from the pick until the response body ends
@@ -34,6 +35,7 @@ from router.config.settings import PolicySpec
 from router.gateway import protocol
 from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from router.routing.aliases import Choice
 from router.routing.prefill import Prefill
 from router.runtime.errors import error_response
 from router.server.context import RouterContext
@@ -47,6 +49,7 @@ from router.server.route import (
     no_endpoint,
     reject,
     requested_model,
+    resolve_alias,
     session_pin,
     unknown_model,
 )
@@ -194,6 +197,15 @@ class _Stream:
         model = requested_model(ctx, payload)
         if not isinstance(model, str):
             return self._refuse(model, "invalid")
+        aliased = resolve_alias(ctx, model, self.request_id, self.headers, payload)
+        rewritten: bytes | None = None  # a model alias's request: the body Envoy forwards names the target
+        if aliased is not None and not isinstance(aliased, Choice):
+            return self._refuse(aliased, "no_endpoint")
+        if aliased is not None:
+            assert aliased.target is not None
+            model = aliased.target
+            payload = {**payload, "model": model}
+            rewritten = orjson.dumps(payload)
         unknown = unknown_model(ctx, model)
         if unknown is not None:
             return self._refuse(unknown, "invalid")
@@ -231,7 +243,7 @@ class _Stream:
         log.debug("routed", extra={"request_id": self.request_id, "model": model, "endpoint": view.id,
                                    "destination": addresses})
         # The engine logs the same request id as the picker (a generated one when the client sent none, or a bad one).
-        common = protocol.destination(addresses, {"x-request-id": self.request_id})
+        common = protocol.destination(addresses, {"x-request-id": self.request_id}, body=rewritten)
         return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=common),
                                            dynamic_metadata=protocol.destination_metadata(addresses))
 

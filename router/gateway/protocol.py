@@ -108,9 +108,15 @@ def _set(headers: dict[str, str]) -> ext_proc.HeaderMutation:
         for k, v in headers.items()])
 
 
-def destination(addresses: list[str], extra: dict[str, str] | None = None) -> ext_proc.CommonResponse:
-    """The request goes on, with the destination header set (the metadata goes on the ProcessingResponse)."""
-    return ext_proc.CommonResponse(header_mutation=_set({DESTINATION: ",".join(addresses), **(extra or {})}))
+def destination(addresses: list[str], extra: dict[str, str] | None = None, *,
+                body: bytes | None = None) -> ext_proc.CommonResponse:
+    """The request goes on, with the destination header set (the metadata goes on the ProcessingResponse), and
+    with `body` instead of the client's when given (a model alias rewritten), its content-length with it."""
+    headers = {DESTINATION: ",".join(addresses), **(extra or {})}
+    if body is None:
+        return ext_proc.CommonResponse(header_mutation=_set(headers))
+    return ext_proc.CommonResponse(header_mutation=_set({**headers, "content-length": str(len(body))}),
+                                   body_mutation=ext_proc.BodyMutation(body=body))
 
 
 def destination_metadata(addresses: list[str]) -> struct_pb2.Struct:

@@ -28,8 +28,10 @@ from router.config.settings import PolicySpec, default_policy
 from router.health.gpu import GpuHealth
 from router.health.pool import PoolHealth
 from router.model import Endpoint, EndpointState, EndpointView, RequestInfo, Snapshot, Telemetry
+from router.routing.aliases import AliasTable
 from router.routing.departures import Departures
 from router.routing.loads import LoadTracker
+from router.routing.policies import lora_affinity
 from router.routing.policies.base import MAX_LISTED, DecisionTrace, Picker
 from router.routing.policies.registry import PolicyRegistry
 from router.routing.sticky import within_load_bound
@@ -54,6 +56,7 @@ class Balancer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._policies = tuple(policies)
+        self.aliases = AliasTable.of(self._policies)  # model aliases of the policies in effect (aliases.py)
         self._registry = registry
         self._fallback = default_policy(registry)
         # Health state per policy (its settings are per policy); GPU faults are per endpoint, shared.
@@ -160,6 +163,7 @@ class Balancer:
         picker state (round-robin cursor, hash ring) for policies whose strategy and parameters did not."""
         old = {spec.name: spec for spec in self._policies}
         self._policies = tuple(policies)
+        self.aliases = AliasTable.of(self._policies)
         health: dict[str, PoolHealth] = {}
         for spec in (*self._policies, self._fallback):
             previous = old.get(spec.name, self._fallback if spec is self._fallback else None)
@@ -488,18 +492,35 @@ class Balancer:
         spec, picker = entry
         if self._held_out:
             exclude = exclude | self._held_out
+        tiers = None
+        if spec.lora is not None:
+            exclude, tiers = self._lora_affinity(req.model, spec.lora, exclude)
         if trace is None:
             view = picker.pick(req, self.loads, exclude)
         else:
             view = picker.pick(req, self.loads, exclude, trace)
             self.annotate(req.model, trace, exclude)
+            for endpoint_id, where in (tiers or {}).items():
+                trace.candidates.setdefault(endpoint_id, {})["lora"] = where
         if view is not None:
             key = (spec.name, view.id)
             child = self._decision_children.get(key)
             if child is None:
                 child = self._decision_children[key] = self._metrics.decisions.labels(spec.name, spec.strategy, view.id)
             child.inc()
+            if tiers is not None:
+                self._metrics.lora_picks.labels(spec.name, tiers.get(view.id, lora_affinity.UNKNOWN)).inc()
         return view
+
+    def _lora_affinity(self, model: str, settings: lora_affinity.LoraAffinity,
+                       exclude: frozenset[str]) -> tuple[frozenset[str], dict[str, str]]:
+        """`exclude` plus the candidates LoRA affinity leaves out for a request naming adapter `model`, and each
+        candidate's tier (router/routing/policies/lora_affinity.py); the latest telemetry, not the pool's build."""
+        by_id = self.snapshot.by_id
+        candidates = [(view.id, (by_id.get(view.id) or view).telemetry)
+                      for view in self._pools.get(model, ()) if view.id not in exclude]
+        out, tiers = lora_affinity.keep_out(candidates, model, settings, self.loads.in_flight)
+        return (exclude | out if out else exclude), tiers
 
     # ---- explanations (router/server/explain.py): read only, and only for requests that are explained ------------
 

@@ -229,6 +229,26 @@ class RouterMetrics:
             ["policy", "outcome"],
             registry=r,
         )
+        self.lora_picks = Counter(
+            "fleetroute_lora_picks",
+            "Picks for a LoRA adapter (a model of a policy with a lora: block), by policy and where the adapter "
+            "stood on the chosen engine: active, free_slot, full or unknown.",
+            ["policy", "tier"],
+            registry=r,
+        )
+        self.alias_requests = Counter(
+            "fleetroute_alias_requests",
+            "Requests for a model alias, by alias and the target they were sent to (both from configuration).",
+            ["alias", "target"],
+            registry=r,
+        )
+        self.alias_unserved = Counter(
+            "fleetroute_alias_unserved",
+            "Requests for a model alias whose drawn target no endpoint served, so another target was drawn "
+            "(or, with none served, the request was refused), by alias and the unserved target.",
+            ["alias", "target"],
+            registry=r,
+        )
         self.sticky_store_errors = Counter(
             "fleetroute_sticky_store_errors",
             "Failed reads or writes of session pins in Redis (stickiness then uses this router's table).",

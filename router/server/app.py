@@ -619,6 +619,7 @@ def reload_from(ctx: RouterContext, path: str) -> None:
     ctx.metrics.config_reloads.labels("applied").inc()
     log.info("configuration reloaded", extra={"policies": [p.name for p in new.policies],
                                               "presets": {p.name: p.preset for p in new.policies if p.preset},
+                                              "aliases": ctx.balancer.aliases.describe(),
                                               "endpoints": len(new.endpoints)})
 
 
@@ -645,6 +646,7 @@ async def serve(settings: Settings, *, reuse_port: bool = False, config_path: st
             "models": list(ctx.balancer.models()),
             "policies": [p.name for p in settings.policies] or [FALLBACK_POLICY],  # none: every model's
             "presets": {p.name: p.preset for p in settings.policies if p.preset},
+            "aliases": ctx.balancer.aliases.describe(),  # model aliases: target -> weight (router/routing/aliases.py)
             "max_connections": {name: guard.max_connections for name, guard in running.connections.items()},
             "descriptor_limit": descriptor_limit(),
         },

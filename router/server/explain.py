@@ -222,7 +222,7 @@ class Decision:
     """Everything recorded about one request's routing, filled in as the request goes (by the handler)."""
 
     __slots__ = ("id", "request_id", "at", "recorded", "model", "policy", "strategy", "stickiness", "admission",
-                 "attempts", "attempts_omitted", "status", "duration_ms", "header_candidates")
+                 "alias", "attempts", "attempts_omitted", "status", "duration_ms", "header_candidates")
 
     def __init__(self, *, request_id: str, at: float, recorded: tuple[str, ...], model: str, policy: str,
                  strategy: str, header_candidates: int) -> None:
@@ -235,6 +235,7 @@ class Decision:
         self.strategy = strategy
         self.stickiness: dict[str, Any] | None = None
         self.admission: dict[str, Any] | None = None
+        self.alias: dict[str, Any] | None = None  # a request for a model alias: its target and how (routing/aliases.py)
         self.attempts: list[Attempt] = []
         self.attempts_omitted = 0
         self.status: int | None = None  # final HTTP status, once the response has ended
@@ -274,6 +275,7 @@ class Decision:
             "model": self.model,
             "policy": self.policy,
             "strategy": self.strategy,
+            "alias": self.alias,
             "endpoint": served.endpoint if served else None,
             "reason": served.reason if served else "no_attempt",
             "why": summarise(served) if served else "no attempt: the request never reached the picker",
@@ -298,6 +300,8 @@ class Decision:
             "reason": served.reason if served else "no_attempt",
             "why": summarise(served) if served else "no attempt: the request never reached the picker",
         }
+        if self.alias is not None:
+            out["alias"] = self.alias
         if self.stickiness is not None:
             out["stickiness"] = self.stickiness
         if self.admission is not None:

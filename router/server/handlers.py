@@ -27,6 +27,7 @@ from aiohttp import web
 
 from router.config.redaction import redact_url
 from router.model import EndpointState, EndpointView
+from router.routing.aliases import Choice
 from router.routing.cost import CostEstimate, CostSettings, relative_error
 from router.routing.output_tokens import OutputCounter
 from router.routing.policies.base import MAX_LISTED, DecisionTrace
@@ -44,6 +45,7 @@ from router.server.route import (
     no_endpoint,
     reject,
     requested_model,
+    resolve_alias,
     session_pin,
     unknown_model,
 )
@@ -78,6 +80,7 @@ class Served:
     budget: Verdict | None = None  # its budget check, for a budgeted tenant (router/traffic/budgets.py)
     counter: OutputCounter | None = None  # counts the answer's output tokens (requests with a cost estimate)
     trace: RequestTrace = NO_TRACE  # its spans, with tracing on (router/server/tracing.py); NO_TRACE does nothing
+    alias: Choice | None = None  # a request for a model alias: its target (router/routing/aliases.py)
 
     @property
     def status(self) -> int:
@@ -162,6 +165,8 @@ def _record(ctx: RouterContext, request: web.Request, request_id: str, served: S
         }
         if served.tenant is not None:
             fields["tenant"] = served.tenant.name
+        if served.alias is not None:
+            fields["alias_target"] = served.alias.target  # `model` is the alias the client asked for
         if trace_id is not None:
             fields["trace_id"] = trace_id
         if served.decision is not None:
@@ -266,6 +271,15 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
         served.response = model
         return
     served.requested_model = model  # for the access log; metric labels only ever carry served models
+    aliased = resolve_alias(ctx, model, request_id, request.headers, payload)
+    if isinstance(aliased, web.Response):
+        served.response = aliased
+        return
+    if aliased is not None:  # an alias: the request is now one for its target, and the engine is told so
+        assert aliased.target is not None
+        model, served.alias = aliased.target, aliased
+        payload = {**payload, "model": model}
+        body = orjson.dumps(payload)
     unknown = unknown_model(ctx, model)
     if unknown is not None:
         served.response = unknown
@@ -279,6 +293,8 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     served.estimate, served.cost_settings = described.estimate, described.cost_settings
     # None unless this request is explained (asked for by someone allowed to, or sampled): router/server/explain.py.
     decision = served.decision = ctx.decisions.begin(request.headers, request_id, model, spec.name, spec.strategy)
+    if decision is not None and aliased is not None:
+        decision.alias = aliased.to_dict()
     if tenant is not None and tenant.budgeted and ctx.budgets is not None:
         # Before the queue: the check awaits Redis, and nothing may await between admission and the forward.
         assert served.estimate is not None  # tenants always have estimates (TENANT_COST)
@@ -477,8 +493,13 @@ def _rounded(value: float | None) -> float | None:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """The models served, and the model aliases with a target served (a client may ask for either), each
+    listed once, in OpenAI's model-list shape."""
     ctx = request.app[CONTEXT]
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "fleetroute"} for m in ctx.balancer.models()]
+    balancer = ctx.balancer
+    served = balancer.models()
+    aliases = sorted(set(balancer.aliases.available(balancer.serves)) - set(served))
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "fleetroute"} for m in (*served, *aliases)]
     return web.json_response({"object": "list", "data": data}, dumps=lambda o: orjson.dumps(o).decode())
 
 

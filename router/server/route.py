@@ -20,6 +20,8 @@ from aiohttp import web
 
 from router.config.settings import PolicySpec
 from router.model import EndpointView, RequestInfo
+from router.routing.aliases import Choice
+from router.routing.aliases import choose as choose_target
 from router.routing.cost import CostEstimate, CostSettings
 from router.routing.policies.base import DecisionTrace
 from router.routing.policies.consistent_hash import load_bound
@@ -70,6 +72,27 @@ def unknown_model(ctx: RouterContext, model: str) -> web.Response | None:
         available += f" and {len(models) - MAX_LISTED_MODELS} more (GET /v1/models)"
     return reject(ctx, 404, f"The model `{clip(model)}` does not exist. Available models: {available}",
                   code="model_not_found", param="model")
+
+
+def resolve_alias(ctx: RouterContext, model: str, request_id: str, headers: Mapping[str, str],
+                  payload: dict[str, Any]) -> Choice | web.Response | None:
+    """None when `model` is no alias; else the target the request goes to (router/routing/aliases.py), counted, or the
+    503 when no endpoint serves any of the alias's targets."""
+    entry = ctx.balancer.aliases.get(model)
+    if entry is None:
+        return None
+    alias = entry.alias
+    session = None
+    if alias.sticky:  # the defining policy's session key, digested as session pins are (router/routing/sticky.py)
+        session = entry.stickiness.session(RequestInfo(model=model, request_id=request_id, headers=headers,
+                                                       body=payload))
+    choice = choose_target(alias, session=session, rng=ctx.rng, serves=ctx.balancer.serves)
+    if choice.unserved is not None:
+        ctx.metrics.alias_unserved.labels(alias.name, choice.unserved).inc()
+    if choice.target is None:
+        return no_endpoint(ctx, model)
+    ctx.metrics.alias_requests.labels(alias.name, choice.target).inc()
+    return choice
 
 
 @dataclass

@@ -7,12 +7,13 @@ cluster-in-a-box test runs them this way). What the simulator models is used: th
 `--model`, shown as `root` in /v1/models), `--served-model-name` (one or more; answers carry the first, as
 vLLM's do), `--host`, `--port`, `--max-model-len` (vLLM's `8k`/`8K` forms too), `--max-num-seqs`,
 `--max-num-batched-tokens`, `--[no-]enable-prefix-caching`, `--seed`, `--kv-cache-dtype` (an FP8 cache
-holds twice the tokens of the profile's 16-bit one) and `--kv-events-config` (KV-cache events published as
-vLLM's, worker/sim/kv_events.py). `--tensor-parallel-size`, `--gpu-memory-utilization`,
-`--[no-]enable-chunked-prefill` and `--speculative-config` are validated as vLLM does but not modelled (the
-GPU profile fixes the step times and the KV pool), and one log line says so. Any other argument is ignored,
-with one log line naming them. The simulator's own options (`--gpu`, `--time-scale`, ...) go before
-`--vllm`.
+holds twice the tokens of the profile's 16-bit one), `--kv-events-config` (KV-cache events published as
+vLLM's, worker/sim/kv_events.py) and `--enable-lora`, `--max-loras`, `--lora-modules` (adapters served and
+scheduled as vLLM's: worker/sim/engine.py). `--tensor-parallel-size`, `--gpu-memory-utilization`,
+`--[no-]enable-chunked-prefill`, `--speculative-config` and `--max-lora-rank` are validated as vLLM does but
+not modelled (the GPU profile fixes the step times and the KV pool), and one log line says so. Any other
+argument is ignored, with one log line naming them. The simulator's own options (`--gpu`, `--time-scale`,
+...) go before `--vllm`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--kv-events-topic", default="", help="topic frame of each KV event message (default empty)")
     p.add_argument("--kv-events-replay-endpoint", metavar="ZMQ_ADDRESS",
                    help="bind a replay (ROUTER) socket here, as vLLM's `replay_endpoint`")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (--lora-modules), as vLLM")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters served under NAME (requests name it as their model)")
+    p.add_argument("--max-loras", type=int, default=1,
+                   help="most distinct adapters in one batch, and GPU slots for adapters (default 1, as vLLM)")
+    p.add_argument("--lora-load-ms", type=float, default=20.0,
+                   help="simulated time to load an adapter into a GPU slot (default 20)")
     p.add_argument("--fault-injection", action="store_true",
                    help="enable POST/DELETE /sim/faults (slowdown, errors, hang, stalled streams, unhealthy)")
     p.add_argument("--vllm", nargs=argparse.REMAINDER, metavar="VLLM_ARG",
@@ -133,7 +141,11 @@ def vllm_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     p.add_argument("--kv-events-config", type=_json_object, default=None)
+    p.add_argument("--enable-lora", action="store_true", default=False)
+    p.add_argument("--max-loras", type=int, default=None)
+    p.add_argument("--lora-modules", nargs="+", default=None)
     # Validated, not modelled:
+    p.add_argument("--max-lora-rank", type=int, default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
@@ -141,7 +153,8 @@ def vllm_parser() -> argparse.ArgumentParser:
     return p
 
 
-NOT_MODELLED = ("tensor_parallel_size", "gpu_memory_utilization", "enable_chunked_prefill", "speculative_config")
+NOT_MODELLED = ("tensor_parallel_size", "gpu_memory_utilization", "enable_chunked_prefill", "speculative_config",
+                "max_lora_rank")
 
 
 def apply_vllm_args(args: argparse.Namespace, argv: list[str]) -> tuple[list[str], list[str]]:
@@ -168,6 +181,10 @@ def apply_vllm_args(args: argparse.Namespace, argv: list[str]) -> tuple[list[str
     if vllm.enable_prefix_caching is not None:
         args.no_prefix_caching = not vllm.enable_prefix_caching
     args.kv_cache_dtype = vllm.kv_cache_dtype
+    args.enable_lora = vllm.enable_lora
+    if vllm.max_loras is not None:
+        args.max_loras = vllm.max_loras
+    args.lora_modules = vllm.lora_modules or []
     events = vllm.kv_events_config
     if events is not None and events.get("enable_kv_cache_events") and events.get("publisher", "zmq") == "zmq":
         # vLLM's KVEventsConfig: its default endpoint is tcp://*:5557; topic and replay_endpoint are optional.
@@ -178,6 +195,28 @@ def apply_vllm_args(args: argparse.Namespace, argv: list[str]) -> tuple[list[str
         raise ValueError(f"vLLM arguments: --tensor-parallel-size must be >= 1, got {vllm.tensor_parallel_size}")
     not_modelled = [f"--{n.replace('_', '-')}" for n in NOT_MODELLED if getattr(vllm, n) is not None]
     return not_modelled, unknown
+
+
+def lora_module_specs(specs: list[str], *, enabled: bool) -> tuple[tuple[str, str], ...]:
+    """(name, path) of each `--lora-modules` entry: `NAME=PATH`, or vLLM's JSON form with `name` and `path`."""
+    if specs and not enabled:
+        raise ValueError("--lora-modules needs --enable-lora")
+    out: list[tuple[str, str]] = []
+    for spec in specs:
+        if spec.startswith("{"):
+            try:
+                entry = json.loads(spec)
+                name, path = entry["name"], entry["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules: {spec!r} is not a JSON object with name and path") from None
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep:
+                raise ValueError(f"--lora-modules: {spec!r} is not NAME=PATH")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or any(n == name for n, _ in out):
+            raise ValueError(f"--lora-modules: {spec!r}: the name must be a non-empty string, given once")
+        out.append((name, path))
+    return tuple(out)
 
 
 def _fail(message: str) -> int:
@@ -208,6 +247,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.time_scale > 0:
         return _fail(f"--time-scale must be > 0, got {args.time_scale}")
     try:
+        lora_modules = lora_module_specs(args.lora_modules, enabled=args.enable_lora)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.max_loras < 1 or not args.lora_load_ms >= 0:
+        return _fail(f"--max-loras must be >= 1 and --lora-load-ms >= 0, got {args.max_loras}, {args.lora_load_ms}")
+    try:
         custom = load_profiles(args.profiles) if args.profiles else None
         gpu = profile(args.gpu, custom)
     except (ValueError, OSError) as exc:
@@ -221,11 +266,13 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         batching=args.batching,
         enable_prefix_caching=not args.no_prefix_caching,
+        max_loras=args.max_loras if args.enable_lora else 0,
+        lora_load_s=args.lora_load_ms / 1000,
     )
     settings = SimSettings(
         model=args.model, profile=gpu, engine=config, host=args.host, port=args.port, seed=args.seed,
         time_scale=args.time_scale, max_model_len=args.max_model_len, fault_injection=args.fault_injection,
-        aliases=args.aliases, model_path=args.model_path, kv_events=_kv_events(args),
+        aliases=args.aliases, model_path=args.model_path, kv_events=_kv_events(args), lora_modules=lora_modules,
     )
     configure_logging("info")
     if not_modelled:

@@ -23,6 +23,11 @@ Continuous batching (the default) follows vLLM V1's scheduler:
 A request whose prefill completes in a step emits its first token at the end of that step; every later
 step emits one token, until exactly `max_tokens` (ignore_eos: the caller picks the output length).
 
+LoRA adapters (`max_loras` > 0) follow vLLM too: a step's batch holds requests of at most `max_loras`
+distinct adapters (a waiting request whose adapter would exceed that is skipped, and the queue behind it is
+still considered; it goes back to the front), each adapter in one of `max_loras` GPU slots, and a step that
+activates an adapter not already in a slot pays `lora_load_s` for it (evicting the least recently used).
+
 "dynamic" and "static" are the older request-level modes the field moved away from: a batch is formed
 only when the previous one has completely finished, and it then runs to completion with no admissions.
 Dynamic takes whatever is waiting (up to `dynamic_max_batch`) as soon as the engine is free; static also
@@ -34,7 +39,7 @@ comparison with continuous batching isolates scheduling and flatters the older m
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from worker.sim.kv_cache import KVCache
@@ -53,6 +58,11 @@ class EngineConfig:
     static_window_s: float = 0.05
     dynamic_max_batch: int | None = None  # None: max_num_seqs
     enable_prefix_caching: bool = True
+    # LoRA (vLLM's --enable-lora): at most `max_loras` distinct adapters in one batch, each held in one of
+    # `max_loras` GPU slots; activating an adapter that is not in a slot (evicting the least recently used)
+    # adds `lora_load_s` to that step. 0 = LoRA off.
+    max_loras: int = 0
+    lora_load_s: float = 0.02
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
@@ -68,6 +78,10 @@ class EngineConfig:
             raise ValueError(f"dynamic_max_batch: must be an integer >= 1 or null, got {self.dynamic_max_batch!r}")
         if not isinstance(self.static_window_s, int | float) or self.static_window_s < 0:
             raise ValueError(f"static_window_s: must be a number >= 0, got {self.static_window_s!r}")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"max_loras: must be an integer >= 0, got {self.max_loras!r}")
+        if not isinstance(self.lora_load_s, int | float) or self.lora_load_s < 0:
+            raise ValueError(f"lora_load_s: must be a number >= 0, got {self.lora_load_s!r}")
 
     @property
     def batch_limit(self) -> int:
@@ -84,6 +98,7 @@ class SimRequest:
     prompt_tokens: list[int] = field(repr=False)
     max_tokens: int
     arrival: float
+    lora: str | None = None  # the LoRA adapter the request names, None for the base model
     first_token_at: float | None = field(default=None, init=False)
     token_times: list[float] = field(default_factory=list, init=False, repr=False)
     num_generated: int = field(default=0, init=False)
@@ -145,6 +160,8 @@ class EngineCore:
         self.generation_tokens_total = 0
         self.busy_time = 0.0
         self.step_count = 0
+        self._lora_slots: OrderedDict[str, None] = OrderedDict()  # GPU-resident adapters, least recent first
+        self.lora_loads = 0
 
     # -- read-only state ----------------------------------------------------------------------------------
 
@@ -173,6 +190,11 @@ class EngineCore:
         """The longest prompt + max_tokens a request may ask for: what the whole KV pool holds."""
         return self._kv.num_blocks * self._kv.block_size
 
+    def lora_requests(self) -> tuple[Counter[str], Counter[str]]:
+        """Requests per adapter, running and waiting: what vLLM's `vllm:lora_requests_info` names."""
+        return (Counter(r.lora for r in self._running if r.lora is not None),
+                Counter(r.lora for r in self._waiting if r.lora is not None))
+
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)
 
@@ -188,6 +210,8 @@ class EngineCore:
                 f"request {req.request_id}: prompt ({len(req.prompt_tokens)}) + max_tokens ({req.max_tokens}) "
                 f"= {total} tokens exceeds the KV cache ({self.max_model_len} tokens)"
             )
+        if req.lora is not None and self.config.max_loras == 0:
+            raise ValueError(f"request {req.request_id}: LoRA adapter {req.lora!r} asked of an engine without LoRA")
         self._live[req.request_id] = req
         self._waiting.append(req)
 
@@ -247,15 +271,23 @@ class EngineCore:
         """Admit waiting requests per the batching mode; returns the time to wait, when the mode says wait."""
         cfg = self.config
         if cfg.batching == "continuous":
+            loras = {r.lora for r in self._running if r.lora is not None}
+            skipped: list[SimRequest] = []
             while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
                 req = self._waiting[0]
+                if req.lora is not None and req.lora not in loras and len(loras) >= cfg.max_loras:
+                    skipped.append(self._waiting.popleft())  # its adapter would exceed max_loras: not now
+                    continue
                 if not self._try_allocate(req):
                     break
                 self._waiting.popleft()
                 self._running.append(req)
+                if req.lora is not None:
+                    loras.add(req.lora)
                 n = min(req._pending, budget)
                 prefills.append((req, n))
                 budget -= n
+            self._waiting.extendleft(reversed(skipped))
             return None
         if self._running or not self._waiting:
             return None  # the current batch runs to completion
@@ -265,8 +297,16 @@ class EngineCore:
             if now < deadline:
                 return deadline - now
         batch: list[SimRequest] = []
-        while self._waiting and len(batch) < limit and self._try_allocate(self._waiting[0]):
+        loras: set[str] = set()
+        while self._waiting and len(batch) < limit:
+            head = self._waiting[0]
+            if head.lora is not None and head.lora not in loras and len(loras) >= cfg.max_loras:
+                break  # the batch has its adapters: the rest waits for the next one
+            if not self._try_allocate(head):
+                break
             batch.append(self._waiting.popleft())
+            if head.lora is not None:
+                loras.add(head.lora)
         self._running.extend(batch)
         self._schedule_prefills(batch, budget, prefills)
         return None
@@ -307,6 +347,22 @@ class EngineCore:
                 return False
         return True
 
+    def _activate_loras(self, wanted: set[str | None]) -> float:
+        """Put the step's adapters in GPU slots; the time it takes to load those that were not there."""
+        loaded = 0
+        for name in wanted:
+            if name is None:
+                continue
+            if name in self._lora_slots:
+                self._lora_slots.move_to_end(name)
+                continue
+            if len(self._lora_slots) >= self.config.max_loras:
+                self._lora_slots.popitem(last=False)
+            self._lora_slots[name] = None
+            loaded += 1
+        self.lora_loads += loaded
+        return loaded * self.config.lora_load_s
+
     def _release(self, req: SimRequest) -> None:
         self._kv.free(req._blocks)
         req._blocks = []
@@ -318,6 +374,7 @@ class EngineCore:
         ms = self.profile.step_time_ms(prefill_tokens + len(decodes), len(decodes) + len(prefills), decode_ctx, pairs)
         sigma = self.profile.jitter
         duration = ms / 1000.0 * (self._rng.lognormvariate(0.0, sigma) if sigma else 1.0)
+        duration += self._activate_loras({r.lora for r in decodes} | {r.lora for r, _ in prefills})
         end = now + duration
 
         emitted: list[SimRequest] = []

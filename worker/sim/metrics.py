@@ -8,6 +8,7 @@ in *simulated* seconds, as a real engine on that GPU would report them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -24,9 +25,16 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                960.0, 1920.0, 7680.0)
 
 
+LORA_INFO_SERIES = 32  # label sets of vllm:lora_requests_info kept (vLLM keeps every one it ever set)
+
+
 class _EngineStateCollector(Collector):
     def __init__(self, engine: EngineCore, config: EngineConfig, model: str, gpu_memory_utilization: float) -> None:
         self._engine = engine
+        self._max_loras = config.max_loras
+        # vLLM sets a gauge to the current time under labels naming the adapters running and waiting, so the
+        # page holds one series per combination seen, and the newest (the largest value) is the state now.
+        self._lora_info: dict[tuple[str, str, str], float] = {}
         self._labels = ["model_name", "engine"]
         self._values = [model, "0"]
         # A subset of the labels of vLLM 0.32 (tests/data/vllm_metrics_*.txt has ~35), spelt as vLLM does
@@ -71,6 +79,21 @@ class _EngineStateCollector(Collector):
                                  labels=list(self._cache_info))
         info.add_metric(list(self._cache_info.values()), 1.0)
         yield info
+        if self._max_loras:
+            yield self._lora_requests_info()
+
+    def _lora_requests_info(self) -> GaugeMetricFamily:
+        running, waiting = self._engine.lora_requests()
+        labels = (str(self._max_loras), ",".join(waiting), ",".join(running))
+        self._lora_info.pop(labels, None)
+        self._lora_info[labels] = time.time()
+        while len(self._lora_info) > LORA_INFO_SERIES:
+            del self._lora_info[next(iter(self._lora_info))]
+        g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                              labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        for values, at in self._lora_info.items():
+            g.add_metric(list(values), at)
+        return g
 
 
 class SimMetrics:

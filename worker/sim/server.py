@@ -57,9 +57,14 @@ class SimSettings:
     aliases: tuple[str, ...] = ()
     model_path: str | None = None  # vLLM's `--model` (a Hugging Face id or path): `root` in /v1/models
     kv_events: KVEventsConfig | None = None  # publish KV-cache events (worker/sim/kv_events.py)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # vLLM's --lora-modules: (adapter name, path)
 
     def serves(self, name: object) -> bool:
-        return name == self.model or name in self.aliases
+        return name == self.model or name in self.aliases or self.adapter(name) is not None
+
+    def adapter(self, name: object) -> str | None:
+        """The LoRA adapter a request's `model` names, or None (the base model, or nothing served)."""
+        return name if isinstance(name, str) and any(name == n for n, _ in self.lora_modules) else None
 
 
 class _Pending:
@@ -210,7 +215,8 @@ class SimServer:
             max_tokens = self._max_tokens(body, len(prompt))
         except ValueError as exc:
             return _vllm_error(400, str(exc), "BadRequestError")
-        req = SimRequest(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, max_tokens, self.sim_now())
+        req = SimRequest(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, max_tokens, self.sim_now(),
+                         lora=self.settings.adapter(body.get("model")))
         pending = _Pending(req)
         self._pending[req.request_id] = pending
         self.engine.add_request(req)
@@ -296,7 +302,7 @@ class SimServer:
                 "id": req.request_id,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()),
-                "model": self.settings.model,
+                "model": req.lora or self.settings.model,
                 "choices": [choice],
                 "usage": self._usage(req),
             },
@@ -322,7 +328,7 @@ class SimServer:
         await resp.prepare(request)
         created = int(time.time())
         base = {"id": req.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created, "model": self.settings.model}
+                "created": created, "model": req.lora or self.settings.model}
 
         def event(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> bytes:
             payload = {**base, "choices": [choice] if choice is not None else []}
@@ -354,7 +360,10 @@ class SimServer:
         return web.json_response({"object": "list", "data": [{
             "id": name, "object": "model", "created": int(self._epoch), "owned_by": "vllm",
             "root": s.model_path or s.model, "parent": None, "max_model_len": s.max_model_len,
-        } for name in (s.model, *s.aliases)]})
+        } for name in (s.model, *s.aliases)] + [{  # vLLM lists adapters with their path and base model
+            "id": name, "object": "model", "created": int(self._epoch), "owned_by": "vllm", "root": path,
+            "parent": s.model, "max_model_len": None,
+        } for name, path in s.lora_modules]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         """vLLM's `POST /tokenize`: the token ids the engine would see for a `prompt` or a chat's `messages`,

@@ -235,7 +235,8 @@ seccompProfile:
 {{/*
 The models delegated to RoutingPolicies: the pools' servedModelNames (routingPolicyControl.delegatePoolModels),
 routingPolicyControl.allowedModels, and the models of the chart's own routingPolicies (the CRD's default, "*",
-where one names none), so that what the chart creates is applied.
+where one names none) with the names and targets of their model aliases, so that what the chart creates is
+applied.
 */}}
 {{- define "fleetroute.delegatedModels" -}}
 {{- $models := list -}}
@@ -252,6 +253,12 @@ where one names none), so that what the chart creates is applied.
 {{- range .Values.routingPolicies -}}
 {{- range (default (list "*") .spec.models) -}}
 {{- $models = append $models . -}}
+{{- end -}}
+{{- range (.spec.aliases | default list) -}}
+{{- $models = append $models .name -}}
+{{- range .targets -}}
+{{- $models = append $models .model -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- toJson (uniq $models) -}}

@@ -10,6 +10,8 @@ what `control.kubernetes` delegates (docs/kubernetes.md, "Trust model"):
   pattern only when that one is a literal prefix followed by `*` (`team-a-*`, or `*` alone) and the
   pattern starts with the prefix: every name it can match then starts with the prefix too. Containment of
   two arbitrary shell patterns is not decided; such a pattern is refused, never guessed. Default: nothing.
+  The same holds for the names and targets of the policy's model aliases (router/routing/aliases.py): an alias takes
+  the requests for its name and sends them to its targets.
 - `maxPriority`: the highest `spec.priority` accepted (the order among RoutingPolicies). Default 1000, the
   CRD's maximum.
 - `overrideFilePolicies`: false (the default) keeps the file's policies in charge: they are matched before
@@ -79,6 +81,14 @@ def check(policy: PolicySpec, priority: int, settings: KubernetesControlSettings
             if any(_is_pattern(m) for m in outside) and allowed else ""
         return Refusal(MODELS_NOT_DELEGATED, f"models {listed} are not delegated to RoutingPolicies "
                                              f"(control.kubernetes.allowedModels is {scope}){hint}")
+    # An alias takes its name's requests and sends them to its targets: both are models it routes.
+    named = dict.fromkeys(m for a in policy.aliases for m in (a.name, *(t.model for t in a.targets)))
+    outside = [m for m in named if not delegated(m, allowed)]
+    if outside:
+        listed = ", ".join(repr(m) for m in outside[:8]) + (", ..." if len(outside) > 8 else "")
+        scope = f"[{', '.join(allowed)}]" if allowed else "empty: no model is delegated"
+        return Refusal(MODELS_NOT_DELEGATED, f"aliases name models {listed} that are not delegated to "
+                                             f"RoutingPolicies (control.kubernetes.allowedModels is {scope})")
     if priority > settings.max_priority:
         return Refusal(PRIORITY_NOT_DELEGATED, f"priority {priority} is above what is delegated to RoutingPolicies "
                                                f"(control.kubernetes.maxPriority is {settings.max_priority})")

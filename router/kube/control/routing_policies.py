@@ -56,6 +56,7 @@ from router.kube.control import KubernetesControlSettings
 from router.kube.control.delegation import REASONS, Refusal, check, file_conflict
 from router.kube.control.spec import policy_from_spec
 from router.kube.discovery.kubernetes import _describe, _status_message, configure_client
+from router.routing.aliases import cross_check
 from router.runtime.progress import Progress
 
 if TYPE_CHECKING:  # the serving layer hands the controller its context: named for checkers only
@@ -260,7 +261,8 @@ class RoutingPolicyController:
             return
         self._install(policies)
         log.info("routing policies applied", extra={"policies": [p.name for p in policies],
-                                                    "presets": {p.name: p.preset for p in policies if p.preset}})
+                                                    "presets": {p.name: p.preset for p in policies if p.preset},
+                                                    "aliases": ctx.balancer.aliases.describe()})
 
     def _judge(self, name: str, obj: dict[str, Any]) -> None:
         """Parse one object's spec (once per spec), keep it if good, record the outcome."""
@@ -277,6 +279,7 @@ class RoutingPolicyController:
         in_effect = previous[0] if previous else None
         try:
             priority, parsed = policy_from_spec(name, spec, self._ctx.registry)
+            self._check_alias_targets(parsed)
         except ConfigError as exc:
             outcome = Outcome(generation, False, str(exc), in_effect, INVALID)
             self._reloads.labels("rejected").inc()
@@ -300,6 +303,17 @@ class RoutingPolicyController:
         self._parsed[name] = (text, outcome)
         self.outcomes[name] = outcome
         self._conflicts.discard(name)  # a new generation: a conflict with the file is logged and counted again
+
+    def _check_alias_targets(self, policy: PolicySpec) -> None:
+        """Where the router knows every endpoint (static ones, no discovery), an alias target no endpoint serves
+        is refused as the config file's would be (routing/aliases.py): Invalid, with the parser's kind of message."""
+        settings = self._ctx.settings
+        if not policy.aliases or settings.discovery.kubernetes is not None:
+            return
+        served = {m for ep in settings.endpoints for m in ep.models}
+        problem = cross_check(((f"spec.aliases[{j}]", a) for j, a in enumerate(policy.aliases)), served)
+        if problem is not None:
+            raise ConfigError(*problem)
 
     def _forget(self, name: str) -> None:
         self.objects.pop(name, None)
