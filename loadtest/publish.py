@@ -98,6 +98,11 @@ def render(name: str, results: Path, images: Path) -> str | None:
 
         plot = write_plot(result, images)
         return render_markdown(result) + f"\n![{plot.stem}](img/{plot.name})\n"
+    if name == "telemetry-deltas":  # committed A/B runs of the ingestion benchmark
+        from loadtest.scale.report import render_ingest_ab
+
+        runs = [(p.stem, json.loads(p.read_text())) for p in (ROOT / "docs" / "results" / name).glob("*.json")]
+        return render_ingest_ab(sorted(runs, key=lambda run: run[1]["started_utc"])) if runs else None
     if name == "scale":
         from loadtest.scale.report import render_markdown, write_plots
 

@@ -248,3 +248,88 @@ def test_a_good_engine_url_is_kept_without_its_trailing_slash() -> None:
 
     args = build_parser().parse_args(["agent", "--engine-url", "https://[::1]:8443/v/", "--endpoint-id", "e"])
     assert args.engine_url == "https://[::1]:8443/v"
+
+
+class MonoClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_round_reads_only_the_records_agents_announced_and_a_full_read_catches_a_lost_one(
+        redis_url) -> None:  # noqa: F811
+    import random as _random
+
+    from router.balancer import Balancer
+    from router.loads import LoadTracker
+    from router.metrics import RouterMetrics
+    from router.model import Endpoint
+    from router.policies.registry import PolicyRegistry
+    from router.settings import PolicySpec
+
+    ids = [unique("gpu") for _ in range(3)]
+    for endpoint_id in ids:
+        await publish(redis_url, endpoint_id, gpu_util=0.5)
+    registry, metrics = PolicyRegistry(), RouterMetrics()
+    adaptive = registry.get("adaptive")
+    assert adaptive is not None
+    balancer = Balancer(policies=[PolicySpec(name="p", models=(MODEL,), strategy="adaptive", params=adaptive.parse({}))],
+                        registry=registry, metrics=metrics, loads=LoadTracker(metrics), stale_after=3600,
+                        rng=_random.Random(1))
+    balancer.set_endpoints([Endpoint(i, f"http://{i}", (MODEL,)) for i in ids])
+    store = RedisStore(await connect(RedisSettings(url=redis_url), timeout=5))
+    mono = MonoClock()
+    feed = TelemetryFeed(store=store, balancer=balancer, metrics=metrics, mono_clock=mono, full_read_every=60)
+    wake = asyncio.Event()
+    listener = asyncio.create_task(store.listen(wake, 0.05, metrics))
+
+    def read(kind: str | None = None) -> float:
+        if kind is None:
+            return metrics.registry.get_sample_value("fleetroute_telemetry_records_read_total") or 0.0
+        return metrics.registry.get_sample_value("fleetroute_telemetry_reads_total", {"kind": kind}) or 0.0
+
+    def util(endpoint_id: str) -> float | None:
+        t = balancer.snapshot.by_id[endpoint_id].telemetry
+        return None if t is None else t.gpu_util
+
+    try:
+        # Until the subscription is confirmed, every round reads every record (messages may be missed).
+        async with asyncio.timeout(10):
+            while True:
+                await feed.refresh()
+                if read("changed"):
+                    break
+                await asyncio.sleep(0.01)
+        assert all(util(i) == 0.5 for i in ids)
+        before, fulls = read(), read("full")
+        # An agent writes and announces: the next round reads that one record, and nothing else.
+        wake.clear()
+        await publish(redis_url, ids[0], gpu_util=0.9)
+        await asyncio.wait_for(wake.wait(), 5)
+        await feed.refresh()
+        assert util(ids[0]) == 0.9
+        assert read() - before == 1 and read("full") == fulls
+        # A record written without its announcement (a lost message) is not read by changed-only rounds...
+        client = aioredis.from_url(redis_url)
+        try:
+            await client.hset(telemetry_key(ids[1]), "gpu_util", "0.1")
+        finally:
+            await client.aclose()
+        await feed.refresh()
+        assert util(ids[1]) == 0.5
+        # ...until the next full read, `full_read_every` after the last.
+        mono.now += 60
+        await feed.refresh()
+        assert util(ids[1]) == 0.1 and read("full") == fulls + 1
+        # A new endpoint is read in the first round it is a member, announced or not.
+        newcomer = unique("gpu")
+        await publish(redis_url, newcomer, gpu_util=0.3)
+        balancer.set_endpoints([Endpoint(i, f"http://{i}", (MODEL,)) for i in [*ids, newcomer]])
+        await feed.refresh()
+        assert util(newcomer) == 0.3
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await store.close()

@@ -322,3 +322,20 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def render_ingest_ab(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """Ingestion runs of two builds side by side (name, the scale benchmark's JSON), one row per run in the
+    order given: router CPU while ingesting, per report, Redis CPU, telemetry age, the CPU others took."""
+    lines = ["| run | commit | started (UTC) | router CPU, ingesting | per report | rounds/s | Redis CPU "
+             "| age p50 / p99 | foreign CPU |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, result in runs:
+        for r in result["ingest"]:
+            ing = r["ingesting"]
+            lines.append(
+                f"| {name} | {result['machine']['commit']} | {result['started_utc']} "
+                f"| {_pct(ing['router_cpu_util'])} | {_num(r['router_cpu_ms_per_report'], 3)} ms "
+                f"| {_num(ing['rebuilds_per_s'], 1)} | {_pct(ing['redis_cpu_util'])} "
+                f"| {_num(r['age']['p50_s'], 3)} / {_num(r['age']['p99_s'], 3)} s "
+                f"| {_pct(ing.get('foreign_cpu_util'))} |")
+    return "\n".join(lines) + "\n"

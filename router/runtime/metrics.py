@@ -202,6 +202,18 @@ class RouterMetrics:
             multiprocess_mode="min",
             registry=r,
         )
+        self.telemetry_reads = Counter(
+            "fleetroute_telemetry_reads",
+            "Telemetry rounds, by kind: full (every endpoint's record read) or changed (only the records agents "
+            "announced since the last round, and new endpoints').",
+            ["kind"],
+            registry=r,
+        )
+        self.telemetry_records_read = Counter(
+            "fleetroute_telemetry_records_read",
+            "Endpoint records read from the telemetry store (Redis) or the embedded collection.",
+            registry=r,
+        )
         self.store_errors = Counter(
             "fleetroute_telemetry_store_errors",
             "Failed reads of the telemetry store (Redis unreachable or timing out).",

@@ -2,10 +2,11 @@
 
 Two stores with one interface (`read(ids) -> {id: hash fields}`), both holding `worker.protocol` records:
 
-- `RedisStore`: the production path. Each worker pod's agent writes its endpoint's record every interval;
-  every router replica reads all of them with one pipelined HGETALL per refresh. Refreshes happen every
-  `interval` and early when an agent's PUBLISH arrives (pub/sub only wakes the reader: it is lossy, so the
-  periodic read stays the source of truth).
+- `RedisStore`: the production path. Each worker pod's agent writes its endpoint's record every interval
+  and PUBLISHes the endpoint's id; every router replica reads, with one pipelined HGETALL each, the records
+  announced since its last round (and new endpoints'). Refreshes happen every `interval` and early when an
+  announcement arrives. Pub/sub is lossy, so a round reads every record when the announcements cannot be
+  trusted (the first round, after the subscription or Redis broke) and every `full_read_every` seconds.
 - `MemoryStore` + `EmbeddedCollection`: with no Redis configured (`fleetroute demo`, local runs) the router
   collects the records itself, scraping each engine's `/metrics` (and a simulator's `/sim/gpu` with
   `gpuSource: sim`), through the same collector code the agent uses.
@@ -57,12 +58,17 @@ log = logging.getLogger("fleetroute.telemetry")
 
 MAX_VALUE_BYTES = 256  # per field; numbers need ~25, an endpoint id at most 253 (a DNS name)
 MAX_FIELDS = 2 * len(FIELD_NAMES)  # room for fields a newer agent adds within the schema version
+MAX_ANNOUNCED = 100_000  # endpoint ids noted between two rounds; beyond, the next round reads every record
 # A record as a store returns it: field -> raw value, or the error Redis answered for the key (WRONGTYPE).
 RawRecord = Mapping[bytes, bytes] | ResponseError
 
 
 class TelemetryStore(Protocol):
     async def read(self, endpoint_ids: list[str]) -> dict[str, RawRecord]: ...
+
+    def take_changes(self) -> set[str] | None:
+        """The endpoints whose records changed since the last call, or None: read them all."""
+        ...
 
 
 class MemoryStore:
@@ -76,6 +82,9 @@ class MemoryStore:
 
     async def read(self, endpoint_ids: list[str]) -> dict[str, RawRecord]:
         return {i: self._records[i] for i in endpoint_ids if i in self._records}
+
+    def take_changes(self) -> set[str] | None:
+        return None  # collected in this process every round: reading them all is free
 
     def forget_endpoints(self, gone: frozenset[str]) -> None:
         for endpoint_id in gone:
@@ -91,6 +100,19 @@ class RedisStore:
 
     def __init__(self, client: RedisClient) -> None:
         self.client = client
+        # The endpoints agents announced since the last round. Trusted only while the subscription has been up
+        # without a break since the last full read (`_gap` False): a message lost while it was down, or before
+        # it was first up, would leave an endpoint's new record unread until the next full read.
+        self._announced: set[str] = set()
+        self._gap = True
+
+    def take_changes(self) -> set[str] | None:
+        if self._gap:
+            self._gap = False
+            self._announced = set()
+            return None
+        changed, self._announced = self._announced, set()
+        return changed
 
     async def read(self, endpoint_ids: list[str]) -> dict[str, RawRecord]:
         async with self.client.pipeline(transaction=False) as pipe:
@@ -109,8 +131,9 @@ class RedisStore:
         return out
 
     async def listen(self, wake: asyncio.Event, retry_after: float, metrics: RouterMetrics) -> None:
-        """Set `wake` whenever an agent announces a new record (the message itself is never read);
-        reconnect after failures."""
+        """Note each endpoint an agent announces (the message is its id) and set `wake`; reconnect after
+        failures. A message is only a hint of which key to read: what is read is admitted like any record,
+        and an id that is no endpoint's is never read (`TelemetryFeed.refresh` intersects with members)."""
         while True:
             with contained("telemetry_pubsub", metrics):
                 try:
@@ -119,11 +142,23 @@ class RedisStore:
                     async with self.client.pubsub() as pubsub:
                         await pubsub.subscribe(UPDATES_CHANNEL)
                         async for message in pubsub.listen():
-                            if message.get("type") == "message":
+                            kind = message.get("type")
+                            if kind == "subscribe":
+                                self._gap = True  # messages may have been missed before: the next round reads all
+                            elif kind == "message":
+                                self._announce(message.get("data"))
                                 wake.set()
                 except (RedisError, OSError):
                     pass  # the refresh loop reports Redis outages; here we only retry
+            self._gap = True
             await asyncio.sleep(retry_after)
+
+    def _announce(self, data: object) -> None:
+        if isinstance(data, bytes) and len(data) <= MAX_VALUE_BYTES and len(self._announced) < MAX_ANNOUNCED:
+            with contextlib.suppress(UnicodeDecodeError):
+                self._announced.add(data.decode())
+                return
+        self._gap = True  # not an endpoint id, or more than any round should see: read everything next round
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -209,6 +244,7 @@ class TelemetryFeed:
         metrics: RouterMetrics,
         wall_clock: Callable[[], float] = time.time,
         mono_clock: Callable[[], float] = time.monotonic,
+        full_read_every: float = 0.0,
     ) -> None:
         self._store = store
         self._balancer = balancer
@@ -217,14 +253,36 @@ class TelemetryFeed:
         self._mono = mono_clock
         self._store_down = False
         self._schema_warned: set[str] = set()
+        self._read_members: set[str] = set()  # the members as of the last round: a newcomer is read at once
+        self._full_read_every = full_read_every
+        self._last_full_read = float("-inf")
         self._rejected = RejectionLog(what="telemetry record", logger=log,
                                       count=lambda reason: metrics.telemetry_rejected.labels(reason).inc())
 
     def forget_endpoints(self, gone: frozenset[str]) -> None:
         self._schema_warned -= gone
+        self._read_members -= gone
+
+    def _to_read(self) -> tuple[list[str], str]:
+        """The endpoints this round reads, and which kind of round it is: `full` (every member: the first
+        round, after the subscription broke, or `full_read_every` seconds after the last full one, which is
+        what catches a lost message), else `changed` (those announced since the last round, and members new
+        since then)."""
+        members = [ep.id for ep in self._balancer.endpoints()]
+        changes = self._store.take_changes()
+        now = self._mono()
+        if changes is None or now - self._last_full_read >= self._full_read_every:
+            self._last_full_read = now
+            self._read_members = set(members)
+            return members, "full"
+        new = [m for m in members if m not in self._read_members]
+        self._read_members.update(new)
+        return [m for m in members if m in changes] + new, "changed"
 
     async def refresh(self) -> None:
-        ids = [ep.id for ep in self._balancer.endpoints()]
+        ids, kind = self._to_read()
+        self._metrics.telemetry_reads.labels(kind).inc()
+        self._metrics.telemetry_records_read.inc(len(ids))
         try:
             raw = await self._store.read(ids) if ids else {}
         except (RedisError, OSError) as exc:
@@ -234,6 +292,7 @@ class TelemetryFeed:
                 log.warning("telemetry store unreachable; routing on the last known telemetry until it goes stale",
                             extra={"error": f"{type(exc).__name__}: {exc}"})
             self._store_down = True
+            self._last_full_read = float("-inf")  # what was announced meanwhile was not read: read all next time
             self._balancer.refresh_telemetry()  # ages out what has gone stale
             return
         if self._store_down:
