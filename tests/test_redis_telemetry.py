@@ -262,12 +262,12 @@ async def test_a_round_reads_only_the_records_agents_announced_and_a_full_read_c
         redis_url) -> None:  # noqa: F811
     import random as _random
 
-    from router.balancer import Balancer
-    from router.loads import LoadTracker
-    from router.metrics import RouterMetrics
+    from router.config.settings import PolicySpec
     from router.model import Endpoint
-    from router.policies.registry import PolicyRegistry
-    from router.settings import PolicySpec
+    from router.routing.balancer import Balancer
+    from router.routing.loads import LoadTracker
+    from router.routing.policies.registry import PolicyRegistry
+    from router.runtime.metrics import RouterMetrics
 
     ids = [unique("gpu") for _ in range(3)]
     for endpoint_id in ids:
