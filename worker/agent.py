@@ -216,22 +216,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=main)
 
 
-def main(args: argparse.Namespace) -> int:
-    from router.config.settings import ConfigError, parse_duration
-    from router.runtime.logs import configure_logging
-    from router.runtime.loop import run_event_loop
+def command_error(command: str, message: str) -> int:
+    """A command-line error, as argparse words it: on stderr, exit code 2."""
+    print(f"fleetroute {command}: error: {message}", file=sys.stderr)
+    return 2
 
-    def fail(message: str) -> int:
-        print(f"fleetroute agent: error: {message}", file=sys.stderr)
-        return 2
+
+def interval_and_redis(args: argparse.Namespace) -> tuple[float, RedisSettings]:
+    """The `--interval` and `--redis*` flags both agents take. Raises ValueError naming the flag at fault."""
+    from router.config.settings import ConfigError, parse_duration
 
     interval = parse_duration(args.interval)
     if interval is None or interval <= 0:
-        return fail(f"--interval must be a positive duration like 1s or 500ms, got {args.interval!r}")
+        raise ValueError(f"--interval must be a positive duration like 1s or 500ms, got {args.interval!r}")
     try:
-        redis = redis_settings(args)
+        return interval, redis_settings(args)
     except ConfigError as exc:
-        return fail(str(exc))
+        raise ValueError(str(exc)) from None
+
+
+def main(args: argparse.Namespace) -> int:
+    from router.runtime.logs import configure_logging
+    from router.runtime.loop import run_event_loop
+
+    try:
+        interval, redis = interval_and_redis(args)
+    except ValueError as exc:
+        return command_error("agent", str(exc))
     configure_logging("info")
     settings = AgentSettings(engine_url=args.engine_url, redis=redis,
                              endpoint_id=args.endpoint_id, gpu_source=args.gpu_source, gpu_index=args.gpu_index,

@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from router.config.redaction import redact_url
-from worker.agent import add_redis_arguments, http_url_problem, redis_settings
+from worker.agent import add_redis_arguments, command_error, http_url_problem, interval_and_redis
 from worker.node_metrics import NodeAgentMetrics
 from worker.node_sources import (
     NODE_SOURCES,
@@ -282,20 +282,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def main(args: argparse.Namespace) -> int:
-    from router.config.settings import ConfigError, parse_duration
     from router.runtime.logs import configure_logging
     from router.runtime.loop import run_event_loop
 
     def fail(message: str) -> int:
-        print(f"fleetroute node-agent: error: {message}", file=sys.stderr)
-        return 2
+        return command_error("node-agent", message)
 
-    interval = parse_duration(args.interval)
-    if interval is None or interval <= 0:
-        return fail(f"--interval must be a positive duration like 1s or 500ms, got {args.interval!r}")
     try:
-        redis = redis_settings(args)
-    except ConfigError as exc:
+        interval, redis = interval_and_redis(args)
+    except ValueError as exc:
         return fail(str(exc))
     if args.source == "dcgm" and (problem := http_url_problem(args.dcgm_url)) is not None:
         return fail(f"--dcgm-url {problem}")
