@@ -21,28 +21,28 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from aiohttp import web
 
 from router.config.redaction import redact_url
-from router.model import EndpointState, EndpointView
+from router.model import EndpointState
 from router.routing.aliases import Choice
 from router.routing.cost import CostEstimate, CostSettings, relative_error
 from router.routing.output_tokens import OutputCounter
-from router.routing.policies.base import MAX_LISTED, DecisionTrace
 from router.runtime.errors import clip, error_response
+from router.server.attempts import Attempts
+from router.server.attempts import Request as AttemptsRequest
 from router.server.connections import ClientConnection
 from router.server.context import CONTEXT, RouterContext
-from router.server.explain import Attempt, Decision
-from router.server.proxy import Outcome, UpstreamFailed, UpstreamRescued
+from router.server.explain import Decision
+from router.server.proxy import Outcome
 from router.server.request_body import BodyRejected, expect_handler, read_body
 from router.server.route import (
+    Described,
     Pin,
-    choose,
     describe,
-    failed,
-    no_endpoint,
     reject,
     requested_model,
     resolve_alias,
@@ -50,7 +50,7 @@ from router.server.route import (
     unknown_model,
 )
 from router.server.tracing import NO_TRACE, RequestTrace
-from router.traffic.admission import AdmissionSettings
+from router.traffic.admission import AdmissionSettings, Pool
 from router.traffic.budgets import Verdict
 from router.traffic.tenants import Tenant
 
@@ -246,12 +246,33 @@ def _learn_cost(ctx: RouterContext, served: Served, status: int) -> tuple[int | 
 
 
 async def _serve(request: web.Request, ctx: RouterContext, request_id: str, started: float, served: Served) -> None:
+    """The request's stages in order; each either answers (sets `served.response`) or hands on to the next."""
+    parsed = await _parse(request, ctx, request_id, served)
+    if parsed is None:
+        return
+    described = await _classify(request, ctx, request_id, parsed, served)
+    if described is None:
+        return
+    admitted = await _admit(request, ctx, request_id, described, served)
+    if admitted is None:
+        return
+    # No await between admission and the first forward (Attempts.run): that is what marks the request in flight.
+    model, payload, body = parsed
+    pin, pool = admitted
+    served.response = await Attempts(ctx, AttemptsRequest(request, request_id, started, model, body, payload,
+                                                          described, pin, pool), served).run()
+
+
+async def _parse(request: web.Request, ctx: RouterContext, request_id: str,
+                 served: Served) -> tuple[str, dict[str, Any], bytes] | None:
+    """Headers, body and JSON read, the model checked and an alias resolved: (model, payload, body) as the
+    engine will see them, or None with the answer set."""
     bad_header = _undecodable_header(request)
     if bad_header is not None:
         served.response = reject(ctx, 400, f"header {clip(bad_header, 64)} holds bytes that are not UTF-8; the "
                                            "router forwards header values unchanged or not at all",
                                  code="invalid_header_value", param=clip(bad_header, 64))
-        return
+        return None
     try:
         body = await read_body(request, limit=ctx.settings.max_body_bytes, timeout=ctx.settings.client_timeouts.body,
                                on_timeout=lambda: _body_timed_out(request))
@@ -260,21 +281,21 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
         ctx.client_log.log(logging.INFO, (exc.code,), "request body refused", code=exc.code, reason=str(exc),
                            client=ctx.forwarding.client(request))
         served.response = exc.response
-        return
+        return None
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         served.response = reject(ctx, 400, f"request body is not valid JSON: {exc}", code="invalid_json")
-        return
+        return None
     model = requested_model(ctx, payload)
     if isinstance(model, web.Response):
         served.response = model
-        return
+        return None
     served.requested_model = model  # for the access log; metric labels only ever carry served models
     aliased = resolve_alias(ctx, model, request_id, request.headers, payload)
     if isinstance(aliased, web.Response):
         served.response = aliased
-        return
+        return None
     if aliased is not None:  # an alias: the request is now one for its target, and the engine is told so
         assert aliased.target is not None
         model, served.alias = aliased.target, aliased
@@ -283,18 +304,24 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
     unknown = unknown_model(ctx, model)
     if unknown is not None:
         served.response = unknown
-        return
+        return None
     served.model = model
-    balancer = ctx.balancer
+    return model, payload, body
+
+
+async def _classify(request: web.Request, ctx: RouterContext, request_id: str,
+                    parsed: tuple[str, dict[str, Any], bytes], served: Served) -> Described | None:
+    """The request's tenant, policy, cost estimate and explanation record; its tenant's budgets checked."""
+    model, payload, _ = parsed
     tenancy = ctx.settings.tenancy
     tenant = served.tenant = tenancy.identify(request) if tenancy is not None else None
     described = describe(ctx, model, request_id, request.headers, payload, request.path, tenant=tenant)
-    info, spec, cost = described.info, described.spec, described.cost
     served.estimate, served.cost_settings = described.estimate, described.cost_settings
+    spec = described.spec
     # None unless this request is explained (asked for by someone allowed to, or sampled): router/server/explain.py.
     decision = served.decision = ctx.decisions.begin(request.headers, request_id, model, spec.name, spec.strategy)
-    if decision is not None and aliased is not None:
-        decision.alias = aliased.to_dict()
+    if decision is not None and served.alias is not None:
+        decision.alias = served.alias.to_dict()
     if tenant is not None and tenant.budgeted and ctx.budgets is not None:
         # Before the queue: the check awaits Redis, and nothing may await between admission and the forward.
         assert served.estimate is not None  # tenants always have estimates (TENANT_COST)
@@ -302,146 +329,34 @@ async def _serve(request: web.Request, ctx: RouterContext, request_id: str, star
         if verdict.response is not None:
             ctx.metrics.tenant_shed.labels(tenant.name, model, verdict.reason).inc()
             served.response = verdict.response
-            return
-    pin = await session_pin(ctx, spec.name, info)
-    # Admission (router/traffic/admission.py): None unless the policy caps endpoint concurrency. No await may come
-    # between `admit` and the forward below, which is what marks the admitted request in flight.
-    admission = ctx.admission.pool(spec, model)
-    trace = served.trace
-    if admission is not None:
-        queued_at = ctx.clock() if decision is not None else 0.0
-        trace.admission_began()
-        shed = await admission.admit(request_id, request.headers, cost, tenant.name if tenant is not None else "")
-        trace.admission_ended("admitted" if shed is None else f"shed_{shed.status}")
-        if decision is not None:
-            explain_admission(decision, admission.settings, request.headers, ctx.clock() - queued_at, shed)
+            return None
+    return described
+
+
+async def _admit(request: web.Request, ctx: RouterContext, request_id: str, described: Described,
+                 served: Served) -> tuple[Pin | None, Pool | None] | None:
+    """The session's pin, and a place in the pool when the policy caps endpoint concurrency (router/traffic/
+    admission.py): (pin, the admission pool or None), or None with the shed answer set."""
+    spec, model, tenant = described.spec, served.model, served.tenant
+    pin = await session_pin(ctx, spec.name, described.info)
+    pool = ctx.admission.pool(spec, model)
+    if pool is not None:
+        queued_at = ctx.clock()
+        served.trace.admission_began()
+        shed = await pool.admit(request_id, request.headers, described.cost, tenant.name if tenant is not None else "")
+        served.trace.admission_ended("admitted" if shed is None else f"shed_{shed.status}")
+        if served.decision is not None:
+            explain_admission(served.decision, pool.settings, request.headers, ctx.clock() - queued_at, shed)
         if shed is not None:
             if tenant is not None and served.budget is not None and ctx.budgets is not None:
                 ctx.budgets.refund(tenant, served.budget)  # a full fleet is not the tenant's spending
             served.response = shed
-            return
+            return None
     if tenant is not None:
         ctx.metrics.child(ctx.metrics.tenant_admitted, tenant.name, model).inc()
         if served.estimate is not None and served.estimate.cost.prompt_tokens:
             ctx.metrics.child(ctx.metrics.tenant_tokens, tenant.name, "prompt").inc(served.estimate.cost.prompt_tokens)
-    tried: frozenset[str] = frozenset()  # endpoints that failed this request
-    denied: frozenset[str] = frozenset()  # endpoints whose half-open breaker had no probe slot free
-    failure: UpstreamFailed | None = None
-    retries = spec.retries
-    # Deadlines are on the loop's clock (asyncio timeouts use it); `started` is on perf_counter.
-    total = spec.timeouts.total
-    deadline = asyncio.get_running_loop().time() - (time.perf_counter() - started) + total if total else None
-    loop = asyncio.get_running_loop()
-    attempt: Attempt | None = None
-    picks = 0
-    while len(tried) < retries.attempts:
-        excluded = tried | denied if admission is None else admission.exclude(tried | denied)
-        # The picker explains itself to an explained request, and gives a traced one its reason (the pick span).
-        why = DecisionTrace() if decision is not None or trace.recording else None
-        trace.pick_began()
-        view = choose(ctx, info, excluded, pin, why)
-        picks += 1
-        trace.picked(picks, spec.name, spec.strategy, view.id if view is not None else None,
-                     why.reason if why is not None else "")
-        if decision is not None:
-            attempt = explain_attempt(ctx, decision, model, view, why, tried, denied, excluded, pin)
-        if view is None:
-            break
-        allowed, probe = balancer.acquire(spec, view.id)
-        if not allowed:
-            denied |= {view.id}
-            if attempt is not None:
-                attempt.outcome = "no_probe_slot"  # its breaker is half-open and every probe slot is taken
-            continue
-        reported = False  # a half-open probe slot must be given back whatever happens to the attempt
-        try:
-            if not tried:
-                ctx.retry_budget.request_started()
-            elif deadline is not None and loop.time() > deadline - MIN_ATTEMPT_SECONDS:
-                if attempt is not None:
-                    attempt.outcome = "not_sent_deadline"
-                break  # no time left for another attempt: answer with the last failure
-            elif not ctx.retry_budget.try_spend(retries.budget_percent, retries.min_per_second):
-                ctx.metrics.retry_budget_exhausted.labels(model).inc()
-                if attempt is not None:
-                    attempt.outcome = "not_sent_retry_budget"
-                break
-            else:
-                ctx.metrics.retries.labels(model).inc()
-            served.attempts = len(tried) + 1
-            served.endpoint = view.id
-            # A failure is turned into a retry (rather than passed through) only if one can really follow.
-            retryable = (
-                len(tried) + 1 < retries.attempts
-                and balancer.has_alternative(model, tried | denied | {view.id})
-                and (deadline is None or loop.time() < deadline - 2 * MIN_ATTEMPT_SECONDS)
-            )
-            if retryable and not ctx.retry_budget.allows(retries.budget_percent, retries.min_per_second):
-                retryable = False  # a failure of this attempt will be answered, not retried
-                ctx.metrics.retry_budget_exhausted.labels(model).inc()
-            explanation = served.budget.headers if served.budget is not None and served.budget.headers else None
-            if attempt is not None:
-                attempt.outcome = "sent"
-                if decision is not None and decision.requested:
-                    # on the response before its first byte, streamed or not
-                    explanation = {**(explanation or {}), **decision.headers()}
-            try:
-                counter = OutputCounter() if served.estimate is not None and served.estimate.learns else None
-                served.counter = counter
-                served.outcome = await ctx.proxy.forward(
-                    request, view, body, request_id=request_id, timeouts=spec.timeouts, started=started,
-                    retryable=retryable, deadline=deadline, cost=cost, prefill=info.note.prefill_tokens,
-                    streamed=payload.get("stream") is True, counter=counter, extra_headers=explanation,
-                    policy=spec.name,
-                    trace_headers=trace.attempt_began(served.attempts, view.id),
-                    on_first_byte=trace.first_byte if trace.recording else None,
-                )
-            except UpstreamFailed as exc:
-                trace.attempt_ended(exc.kind, None)
-                if isinstance(exc, UpstreamRescued):
-                    # Taken off an endpoint already judged (stalled, ejected, unhealthy): its health has its
-                    # verdict, and this request goes elsewhere like any retry (attempts, retry budget).
-                    ctx.metrics.child(ctx.metrics.rescued, model, exc.kind).inc()
-                else:
-                    balancer.report_outcome(spec, model, view.id, False, exc.kind, probe=probe)
-                    reported = True
-                tried |= {view.id}
-                failure = exc
-                if attempt is not None:
-                    attempt.outcome, attempt.error = exc.kind, str(exc)
-                continue
-            outcome = served.outcome
-            trace.attempt_ended(outcome.error or "answered", outcome.status)
-            if attempt is not None:
-                attempt.outcome, attempt.status = outcome.error or "answered", outcome.status
-            if outcome.error != "client_disconnect":  # the client leaving says nothing about the endpoint
-                bad = failed(outcome.status, outcome.error)
-                balancer.report_outcome(spec, model, view.id, not bad, outcome.error or "http_5xx", probe=probe)
-                reported = True
-            served.response = outcome.response
-            return
-        finally:
-            if probe and not reported:
-                balancer.release_probe(spec, view.id)
-    if failure is not None:
-        served.response = _failed_response(model, failure, tried)
-        return
-    served.response = no_endpoint(ctx, model)
-
-
-# Below this much time left before `timeouts.total`, no new attempt is started.
-MIN_ATTEMPT_SECONDS = 0.05
-
-
-def _failed_response(model: str, failure: UpstreamFailed, tried: frozenset[str]) -> web.Response:
-    """Every endpoint tried failed before answering (or no retry was left): say so, with the last reason."""
-    where = f"{len(tried)} endpoint(s) tried for model `{model}`; last: {failure}"
-    if failure.kind in ("timeout", "stalled"):
-        return error_response(504, f"no answer in time: {where}", code="upstream_timeout")
-    if failure.kind in ("http_5xx", "disconnect", "invalid_response", "ejected", "health_check", "gpu_lost"):
-        # ejected, health_check, gpu_lost: taken off (rescue); disconnect: it closed without answering
-        return error_response(502, f"upstream error: {where}", code="upstream_error")
-    return error_response(502, f"could not connect: {where}", code="upstream_unreachable")
+    return pin, pool
 
 
 def explain_admission(decision: Decision, settings: AdmissionSettings, headers: Mapping[str, str], waited: float,
@@ -453,21 +368,6 @@ def explain_admission(decision: Decision, settings: AdmissionSettings, headers: 
             decision.admission["shed"] = orjson.loads(shed.body)["error"]["code"]  # type: ignore[arg-type]
         except (orjson.JSONDecodeError, KeyError, TypeError):
             decision.admission["shed"] = True
-
-
-def explain_attempt(ctx: RouterContext, decision: Decision, model: str, view: EndpointView | None,
-                    trace: DecisionTrace | None, tried: frozenset[str], denied: frozenset[str],
-                    excluded: frozenset[str], pin: Pin | None) -> Attempt:
-    """Record one pick: why each excluded endpoint was out of this attempt, the pool, and stickiness."""
-    reasons = {}
-    for endpoint_id in sorted(excluded)[:MAX_LISTED]:  # bounded: a retry storm on a big fleet stays small
-        reasons[endpoint_id] = ("failed_attempt" if endpoint_id in tried else
-                                "no_probe_slot" if endpoint_id in denied else "at_capacity")
-    if len(excluded) > MAX_LISTED:
-        reasons["(more)"] = f"{len(excluded) - MAX_LISTED} more"
-    if pin is not None:
-        decision.stickiness = {"session": True, "pinned": pin.pinned, "outcome": pin.outcome}
-    return decision.add(Attempt(view.id if view is not None else None, trace, reasons, ctx.balancer.pool_report(model)))
 
 
 def _undecodable_header(request: web.Request) -> str | None:

@@ -7,13 +7,13 @@ well; once *every* serving endpoint of a model is at its cap, new requests wait 
 router can order them by priority, shed the ones whose deadline passed (a fast 429 the client can retry
 elsewhere beats a slow timeout), and shed the least important first when the queue is full.
 
-How it fits the request path (`handlers._serve`):
+How it fits the request path (router/server/handlers.py `_admit`, then the retry layer, attempts.py):
 
 1. `Admission.pool(spec, model)` returns None unless the policy sets a cap. With caps unset (the default)
    that check is all admission costs: no queue, no lock, no metric (docs/operations.md has the numbers).
 2. `Pool.admit()` returns at once while the pool has a free slot and nobody is queued; otherwise the
    request joins the queue and waits for a slot, or is shed (it returns the error response to send).
-3. The handler picks with `Pool.exclude(tried)`, so endpoints at their cap are skipped by every policy
+3. The retry layer picks with `Pool.exclude(tried)`, so endpoints at their cap are skipped by every policy
    (a consistent-hash key walks the ring past a full endpoint, like past a failed one).
 
 Load is read, never counted here: an endpoint is *full* when `LoadTracker.in_flight(id) >= cap` (this
