@@ -67,7 +67,8 @@ from tests.helm_chart import values as _values
 # The other projects' kinds the chart can render, which kubernetes-validate does not know: our own CRDs of the
 # fields the chart uses (each file's header names the documentation it was checked against).
 FOREIGN_CRDS = sorted((ROOT / "tests" / "data" / "crds").glob("*.yaml"))
-CUSTOM_API_VERSIONS = {"monitoring.coreos.com/v1", "keda.sh/v1alpha1", "gateway.networking.k8s.io/v1"}
+CUSTOM_API_VERSIONS = {"monitoring.coreos.com/v1", "keda.sh/v1alpha1", "gateway.networking.k8s.io/v1",
+                       "inference.networking.k8s.io/v1"}
 
 
 
