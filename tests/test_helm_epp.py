@@ -197,3 +197,12 @@ async def test_the_pickers_role_grants_exactly_what_the_picker_uses(rendered, ma
         assert role_mismatch(grants, kube) == (set(), set())
     finally:
         await kube.stop()
+
+
+def test_the_notes_say_where_the_pool_is_and_that_the_gateway_authenticates(helm):
+    notes = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
+                 "-f", str(CHART / "ci" / "epp-values.yaml")).stdout.split("NOTES:", 1)[1]
+    assert f"InferencePool {FULL} (failureMode FailOpen) names the picker Service\n   {EPP}:9002" in notes
+    assert "The picker does not check client API keys" in notes
+    default = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client").stdout
+    assert "InferencePool" not in default.split("NOTES:", 1)[1]

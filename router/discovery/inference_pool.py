@@ -140,6 +140,9 @@ class InferencePoolDiscovery(KubernetesDiscovery):
         return endpoints
 
     async def close(self) -> None:
+        for task in self._tasks:  # the pool's watch first: it is what starts a Pod reflector
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._stop_pods()
         await super().close()
 
