@@ -206,3 +206,31 @@ def test_the_notes_say_where_the_pool_is_and_that_the_gateway_authenticates(helm
     assert "The picker does not check client API keys" in notes
     default = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client").stdout
     assert "InferencePool" not in default.split("NOTES:", 1)[1]
+
+
+def test_the_picker_alone_without_the_router(helm, monkeypatch):
+    """`router.enabled: false`: the gateway and the picker instead of the router; what remains is complete."""
+    import kubernetes_validate
+
+    from tests.helm_chart import KUBE_VERSIONS
+
+    objs = [d for d in yaml.safe_load_all(_template(helm, "--set", "router.enabled=false,epp.enabled=true")) if d]
+    routers = [f"{o['kind']}/{o['metadata']['name']}" for o in objs
+               if o["metadata"]["labels"].get("app.kubernetes.io/component", "").startswith("router")]
+    assert routers == [f"Secret/{FULL}-admin"]  # the admin token: the picker's admin listener uses it too
+    assert {"epp", "worker", "redis"} <= {o["metadata"]["labels"].get("app.kubernetes.io/component") for o in objs}
+    for obj in objs:
+        if obj["kind"] == "InferencePool":
+            assert FakeCRD(GIE_CRD).admit(copy.deepcopy(obj)) == []
+            continue
+        kubernetes_validate.validate(obj, KUBE_VERSIONS[0], strict=True)
+    # The picker's config is whole without the router's objects: the admin token Secret and Redis are there.
+    (container,) = one(objs, "Deployment", EPP)["spec"]["template"]["spec"]["containers"]
+    for name, value in container_env(objs, container).items():
+        monkeypatch.setenv(name, value)
+    assert parse_settings(_epp_config(objs)).discovery.kubernetes.inference_pool == FULL  # type: ignore[union-attr]
+
+    proc = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--set", "router.enabled=false",
+                check=False)
+    assert proc.returncode != 0
+    assert "router.enabled and epp.enabled are both false: nothing would route requests" in proc.stderr
