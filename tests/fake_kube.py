@@ -22,6 +22,8 @@ validation on every write (422 `Invalid` with field messages), is stored with it
 (list, get and watch: kubectl get and get -w), and a `/status` subresource (RoutingPolicies): writes to the
 object keep its status, writes to `/status` change only the status, and `metadata.generation` moves only
 when the spec does. Leases (coordination.k8s.io/v1) are plain objects with the PUT resourceVersion check.
+Gateway API Inference Extension InferencePools are served once their real CRD (`inference_pool_crd()`, vendored
+from the project) is created, with its schema, defaults and CEL rules.
 
 Beyond reads and writes (tests/fake_kube_admission.py has the details): service-account tokens
 (`service_account_token`) whose requests RBAC authorizes from the stored Roles and bindings (403 with the API
@@ -56,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from aiohttp import web
 
 from tests import fake_kube_admission as admission
@@ -119,6 +122,10 @@ ROUTING_POLICIES = _r("fleetroute.io", "v1alpha1", "routingpolicies", "RoutingPo
 # The default: RoutingPolicies are served without their CRD being created (set `crds[plural]` for its schema).
 # A FakeKube(resources=BUILTIN_RESOURCES) serves them only once their CRD is created, as an API server does.
 RESOURCES = (*BUILTIN_RESOURCES, ROUTING_POLICIES)
+# Gateway API Inference Extension InferencePools are served once their CRD is created, as by an API server:
+# `kube.create("customresourcedefinitions", inference_pool_crd())` (the real v1 CRD, vendored in tests/data/crds/,
+# so every write is checked against its schema, defaults and CEL rules).
+INFERENCE_POOL_CRD = Path(__file__).resolve().parent / "data" / "crds" / "inferencepool.yaml"
 
 
 @dataclass(eq=False)  # each request is itself: `requests.index(r)` finds that one, not an equal earlier one
@@ -1002,10 +1009,34 @@ def slice_endpoint(pod: str, address: str = "127.0.0.1", *, ready: bool = True, 
 
 
 def pod(name: str, *, annotations: dict[str, str] | None = None, labels: dict[str, str] | None = None,
-        ip: str = "127.0.0.1", uid: str | None = None) -> dict[str, Any]:
+        ip: str | None = "127.0.0.1", uid: str | None = None, ready: bool | None = None) -> dict[str, Any]:
+    """A running Pod; `ready` adds the conditions the kubelet writes (None: none, as the older tests want), and
+    `ip=None` is a pod not yet given an address (Pending)."""
+    status: dict[str, Any] = {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]} if ip else {"phase": "Pending"}
+    if ready is not None:
+        flag = "True" if ready else "False"
+        status["conditions"] = [{"type": t, "status": flag if t in ("Ready", "ContainersReady") else "True",
+                                 "lastTransitionTime": CREATED_AT}
+                                for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]
     return {
         "metadata": {"name": name, "uid": uid or f"uid-{name}", "labels": labels or {},
                      "annotations": annotations or {}},
         "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:latest"}], "nodeName": "node-1"},
-        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]},
+        "status": status,
     }
+
+
+def inference_pool_crd() -> dict[str, Any]:
+    """The Gateway API Inference Extension's InferencePool CRD (inference.networking.k8s.io/v1), as released."""
+    return yaml.safe_load(INFERENCE_POOL_CRD.read_text())
+
+
+def inference_pool(name: str, *, selector: dict[str, str], ports: list[int], epp: str = "epp", epp_port: int = 9002,
+                   failure_mode: str | None = None) -> dict[str, Any]:
+    """An InferencePool as a user writes it (the CRD's defaults fill in the rest)."""
+    ref: dict[str, Any] = {"name": epp, "port": {"number": epp_port}}
+    if failure_mode is not None:
+        ref["failureMode"] = failure_mode
+    return {"metadata": {"name": name}, "spec": {
+        "selector": {"matchLabels": selector}, "targetPorts": [{"number": p} for p in ports],
+        "endpointPickerRef": ref}}

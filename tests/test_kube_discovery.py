@@ -393,9 +393,10 @@ async def test_endpoint_weights_come_from_the_services_weight_label(
 @pytest.mark.parametrize(
     ("kubernetes", "message"),
     [
-        ({}, "discovery.kubernetes.services: is required (or labelSelector)"),
+        ({}, "discovery.kubernetes.services: is required (or labelSelector, or inferencePool)"),
         ({"service": "vllm", "labelSelector": "app=vllm"},
-         "discovery.kubernetes.labelSelector: set either services or labelSelector, not both"),
+         "discovery.kubernetes.labelSelector: set one of services, labelSelector or inferencePool, not services "
+         "and labelSelector"),
         ({"servce": "vllm"}, "discovery.kubernetes.servce: unknown field (expected one of:"),
         ({"service": "vLLM_0"}, "discovery.kubernetes.service: must be a Service name"),
         ({"labelSelector": "app=vllm,tier in (a"}, "discovery.kubernetes.labelSelector: has an invalid requirement"),
@@ -412,13 +413,14 @@ async def test_endpoint_weights_come_from_the_services_weight_label(
         ({"service": "vllm", "initialBackoff": "2s", "maxBackoff": "1s"},
          "discovery.kubernetes.maxBackoff: must be >= initialBackoff"),
         ({"service": "vllm", "kubeconfig": ""}, "discovery.kubernetes.kubeconfig: must be a non-empty string"),
-        ({"services": []}, "discovery.kubernetes.services: is required (or labelSelector)"),
+        ({"services": []}, "discovery.kubernetes.services: is required (or labelSelector, or inferencePool)"),
         ({"services": "vllm"}, "discovery.kubernetes.services: must be a list of at most 64 Service names"),
         ({"services": [f"s{i}" for i in range(65)]}, "discovery.kubernetes.services: must be a list of at most 64"),
         ({"services": ["vllm", "Bad_Name"]}, "discovery.kubernetes.services: must be a Service name"),
         ({"services": ["vllm"], "service": "vllm"}, "discovery.kubernetes.services: set either service or services"),
         ({"services": ["vllm"], "labelSelector": "app=vllm"},
-         "discovery.kubernetes.labelSelector: set either services or labelSelector, not both"),
+         "discovery.kubernetes.labelSelector: set one of services, labelSelector or inferencePool, not services "
+         "and labelSelector"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

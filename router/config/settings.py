@@ -172,6 +172,9 @@ class KubernetesDiscoverySettings:
     # Or any EndpointSlice label selector (the older form): it follows every slice that carries the labels, so
     # whoever may create a Service with them in the namespace adds upstreams (docs/kubernetes.md#trust-model).
     label_selector: str | None = None
+    # Or the Pods an InferencePool (inference.networking.k8s.io/v1) selects, one endpoint per target port
+    # (router.kube.discovery.inference_pool): the pool's selector and ports are followed as they change.
+    inference_pool: str | None = None
     namespace: str | None = None  # None: the pod's own (in-cluster), the kubeconfig context's, or "default"
     port: str | int | None = None  # a port name, or a number; None: each slice's first port
     scheme: str = "http"
@@ -620,6 +623,7 @@ def _sentinel(f: Fields) -> SentinelSettings:
 # a label value.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?$")
 _QUALIFIED_NAME = re.compile(
     r"^(?:(?=[^/]{1,253}/)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
@@ -639,17 +643,26 @@ def _optional_key(f: Fields, key: str, default: str | None) -> str | None:
 def _kubernetes_discovery(f: Fields) -> KubernetesDiscoverySettings:
     d = KubernetesDiscoverySettings()
     # A misspelt key is reported as such, before the checks below would complain about what it meant to set.
-    f.used.update(("service", "services", "labelSelector", "namespace", "port", "scheme", "modelAnnotation",
-                   "modelLabel", "weightLabel",
+    f.used.update(("service", "services", "labelSelector", "inferencePool", "namespace", "port", "scheme",
+                   "modelAnnotation", "modelLabel", "weightLabel",
                    "models", "kubeconfig", "context", "syncTimeout", "watchTimeout", "initialBackoff", "maxBackoff"))
     f.done()
     services = _services(f)
     selector = f.string("labelSelector") if f.get("labelSelector") is not None else None
-    if services and selector is not None:
-        raise ConfigError(f.at("labelSelector"), "set either services or labelSelector, not both")
-    if not services and selector is None:
-        raise ConfigError(f.at("services"), "is required (or labelSelector): the Services whose EndpointSlices "
-                                            "to watch")
+    pool = f.string("inferencePool") if f.get("inferencePool") is not None else None
+    sources = [name for name, set_ in (("services", bool(services)), ("labelSelector", selector is not None),
+                                       ("inferencePool", pool is not None)) if set_]
+    if len(sources) > 1:
+        raise ConfigError(f.at(sources[1]), f"set one of services, labelSelector or inferencePool, not "
+                                            f"{' and '.join(sources)}")
+    if not sources:
+        raise ConfigError(f.at("services"), "is required (or labelSelector, or inferencePool): the Services "
+                                            "whose EndpointSlices to watch")
+    if pool is not None and not _DNS_SUBDOMAIN.match(pool):
+        raise ConfigError(f.at("inferencePool"), f"must be an InferencePool name (a lower-case DNS subdomain), "
+                                                 f"got {pool!r}")
+    if pool is not None and f.get("port") is not None:
+        raise ConfigError(f.at("port"), "cannot be set with inferencePool: the pool's targetPorts are the ports")
     if selector is not None and (problem := _label_selector_problem(selector)):
         raise ConfigError(f.at("labelSelector"), problem)
     namespace = f.string("namespace") if f.get("namespace") is not None else None
@@ -675,6 +688,7 @@ def _kubernetes_discovery(f: Fields) -> KubernetesDiscoverySettings:
     settings = KubernetesDiscoverySettings(
         services=services,
         label_selector=selector,
+        inference_pool=pool,
         namespace=namespace,
         port=port,
         scheme=f.choice("scheme", d.scheme, ("http", "https")),

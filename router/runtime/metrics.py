@@ -539,7 +539,8 @@ class RouterMetrics:
             multiprocess_mode="max",
             registry=r,
         )
-        # Endpoint discovery (router/kube/discovery/): the source is `kubernetes` (EndpointSlice watch).
+        # Endpoint discovery (router/kube/discovery/): the source is `kubernetes` (EndpointSlice watch) or
+        # `inferencepool` (the Pods of an InferencePool).
         self.discovery_up = Gauge(
             "fleetroute_discovery_up",
             "1 while endpoint discovery is in sync with its source (the Kubernetes API answers and is watched), "
@@ -551,14 +552,15 @@ class RouterMetrics:
         self.discovery_errors = Counter(
             "fleetroute_discovery_errors",
             "Failed discovery requests, by source and kind: list, watch (opening or reading a watch failed), "
-            "pod (reading a Pod for its models annotation failed).",
+            "pod (reading a Pod for its models annotation failed), pool (listing or watching the InferencePool).",
             ["source", "kind"],
             registry=r,
         )
         self.discovery_relists = Counter(
             "fleetroute_discovery_relists",
             "Full lists of the discovered objects, by reason: initial, expired (410 Gone: the watch's "
-            "resourceVersion is older than the API server keeps).",
+            "resourceVersion is older than the API server keeps), pool (the InferencePool), pool-changed (its "
+            "selector or ports changed).",
             ["source", "reason"],
             registry=r,
         )

@@ -386,10 +386,13 @@ async def _discovery(app: web.Application) -> AsyncIterator[None]:
     if kube is None:
         yield
         return
-    from router.kube.discovery.kubernetes import KubernetesDiscovery  # the client is imported only when used
+    # The client is imported only when used.
+    from router.kube.discovery.inference_pool import InferencePoolDiscovery
+    from router.kube.discovery.kubernetes import KubernetesDiscovery
 
-    discovery = KubernetesDiscovery(settings=kube, balancer=ctx.balancer, static=ctx.settings.endpoints,
-                                    metrics=ctx.metrics, rng=ctx.rng)
+    source = InferencePoolDiscovery if kube.inference_pool is not None else KubernetesDiscovery
+    discovery = source(settings=kube, balancer=ctx.balancer, static=ctx.settings.endpoints, metrics=ctx.metrics,
+                       rng=ctx.rng)
     await discovery.start()
     ctx.discovery = discovery
     try:

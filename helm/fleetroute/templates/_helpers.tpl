@@ -325,3 +325,101 @@ watch the release namespace's RoutingPolicies, within the delegation the values 
 {{- $merged := mergeOverwrite $cfg (deepCopy .Values.router.extraConfig) -}}
 {{- toYaml $merged -}}
 {{- end -}}
+
+{{/* The endpoint picker (epp.enabled): its objects' name, and the InferencePool's (the pool of every worker). */}}
+{{- define "fleetroute.eppName" -}}
+{{- printf "%s-epp" (include "fleetroute.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "fleetroute.inferencePoolName" -}}
+{{- include "fleetroute.fullname" . -}}
+{{- end -}}
+
+{{- define "fleetroute.eppServiceAccountName" -}}
+{{- if .Values.epp.serviceAccount.create -}}
+{{- default (include "fleetroute.eppName" .) .Values.epp.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.epp.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The endpoint picker's config: the router's (fleetroute.routerConfig: policies, health, telemetry, Redis, the
+admin listener, RoutingPolicies, router.extraConfig), with discovery from the chart's InferencePool instead of
+the pool Services, and without what only the HTTP ingress uses (client API keys: the gateway authenticates
+clients; `listen`; several processes).
+*/}}
+{{- define "fleetroute.eppConfig" -}}
+{{- $cfg := include "fleetroute.routerConfig" . | fromYaml -}}
+{{- $_ := unset $cfg "listen" -}}
+{{- $_ := unset $cfg "workers" -}}
+{{- if $cfg.auth -}}
+{{- $_ := unset $cfg.auth "apiKeysFile" -}}
+{{- if not $cfg.auth -}}{{- $_ := unset $cfg "auth" -}}{{- end -}}
+{{- end -}}
+{{- $_ := set $cfg "discovery" (dict "kubernetes" (dict
+      "inferencePool" (include "fleetroute.inferencePoolName" .)
+      "namespace" .Release.Namespace
+      "modelAnnotation" "fleetroute.io/models")) -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* The environment of a router or endpoint-picker container: the admin token, Redis, the OTLP headers. */}}
+{{- define "fleetroute.routerEnv" -}}
+# The root filesystem is read-only: no .pyc files.
+- name: PYTHONDONTWRITEBYTECODE
+  value: "1"
+# Named by the config's admin.tokenEnv: the router refuses to start without it.
+- name: FLEETROUTE_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "fleetroute.adminSecretName" . }}
+      key: {{ .Values.router.adminToken.existingSecretKey }}
+{{- with include "fleetroute.redisEnv" . }}{{ . | trim | nindent 0 }}{{ end }}
+{{- if and .Values.router.tracing.enabled .Values.router.tracing.headersSecret.name }}
+# Named by the config's tracing.headersEnv: headers for every OTLP export (a collector's API key).
+- name: FLEETROUTE_OTLP_HEADERS
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.router.tracing.headersSecret.name }}
+      key: {{ .Values.router.tracing.headersSecret.key }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Who the gateway is, for NetworkPolicies (epp.enabled): it calls the endpoint picker's gRPC port and sends the
+requests to the workers itself. networkPolicy.gateway, else the namespace of the Gateway epp.httpRoute names
+(else the release's): Istio and kgateway run a Gateway's proxies there; Envoy Gateway, by default, in its own
+namespace (envoy-gateway-system), which networkPolicy.gateway must then name.
+*/}}
+{{- define "fleetroute.gatewayPeers" -}}
+{{- if .Values.networkPolicy.gateway -}}
+{{- toYaml .Values.networkPolicy.gateway -}}
+{{- else -}}
+- namespaceSelector:
+    matchLabels:
+      kubernetes.io/metadata.name: {{ .Values.epp.httpRoute.gateway.namespace | default .Release.Namespace }}
+{{- end -}}
+{{- end -}}
+
+{{/* The Role rules RoutingPolicies need (routingPolicyControl.enabled): the router's, and the endpoint picker's. */}}
+{{- define "fleetroute.routingPolicyRules" -}}
+# The RoutingPolicy watch lists and watches (it never reads one object by name) and patches status.
+- apiGroups: ["fleetroute.io"]
+  resources: ["routingpolicies"]
+  verbs: ["list", "watch"]
+- apiGroups: ["fleetroute.io"]
+  resources: ["routingpolicies/status"]
+  verbs: ["patch"]
+# One router replica writes RoutingPolicy status: leader election with one Lease, read and renewed by name.
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  resourceNames: [{{ include "fleetroute.routingPolicyLease" . | quote }}]
+  verbs: ["get", "update"]
+# The first replica creates that Lease. RBAC cannot limit create to a name: the object does not exist when
+# the request is authorized, so a create rule with resourceNames would never match
+# (https://kubernetes.io/docs/reference/access-authn-authz/rbac/#referring-to-resources).
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["create"]
+{{- end -}}

@@ -96,6 +96,11 @@ REQUEST_TIMEOUT = 30.0  # seconds, for a list page or a Pod read
 POD_READS_AT_ONCE = 8
 
 
+# What a reflector lists and watches: the list call, its twin that leaves the response unread (for a watch),
+# and the model type of the watched objects (`KubernetesDiscovery._resource_calls`).
+ResourceCalls = tuple[Callable[..., Any], Callable[..., Any], str]
+
+
 class Expired(Exception):
     """The API server no longer has our resourceVersion (410 Gone): relist."""
 
@@ -214,7 +219,15 @@ def merge(slices: Iterable[list[SliceEndpoint]]) -> list[SliceEndpoint]:
 
 
 class KubernetesDiscovery:
-    """Watches EndpointSlices and keeps the balancer's endpoint set (static + discovered) current."""
+    """Watches EndpointSlices and keeps the balancer's endpoint set (static + discovered) current.
+
+    router.kube.discovery.inference_pool subclasses it for Pods selected by an InferencePool: the hooks are
+    `_resource_calls` (what is listed and watched), `_endpoints_of` (one object's endpoints), `_start_watching`
+    and `EMPTY_WARNING`; the metrics are labelled with `source`.
+    """
+
+    source = SOURCE
+    EMPTY_WARNING = "no EndpointSlices match; is the Service name or selector right?"
 
     def __init__(
         self,
@@ -249,7 +262,7 @@ class KubernetesDiscovery:
         self._warned: set[tuple[str, str]] = set()
         self._api: client.ApiClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._up_gauge = metrics.discovery_up.labels(SOURCE)
+        self._up_gauge = metrics.discovery_up.labels(self.source)
         self._up_gauge.set(0)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -260,8 +273,8 @@ class KubernetesDiscovery:
         loader = await self._load_config(configuration)
         self._api = client.ApiClient(configuration)
         self._tasks = [
-            asyncio.create_task(self._reflect(), name="discovery-kubernetes-watch"),
-            asyncio.create_task(self._publisher(), name="discovery-kubernetes-publish"),
+            *self._start_watching(),
+            asyncio.create_task(self._publisher(), name=f"discovery-{self.source}-publish"),
         ]
         if loader is not None:  # exec plugins and GCP tokens expire: the client's own refresher (no-op otherwise)
             self._tasks.append(asyncio.create_task(config.refresh_token(loader, configuration),
@@ -307,10 +320,17 @@ class KubernetesDiscovery:
 
     # ---- list and watch (the reflector) -------------------------------------------------------------
 
-    async def _reflect(self) -> None:
-        assert self._api is not None
+    def _start_watching(self) -> list[asyncio.Task[None]]:
+        return [asyncio.create_task(self._reflect(), name="discovery-kubernetes-watch")]
+
+    def _resource_calls(self) -> ResourceCalls:
         api = client.DiscoveryV1Api(self._api)
-        reason = "initial"
+        return (api.list_namespaced_endpoint_slice, api.list_namespaced_endpoint_slice_without_preload_content,
+                "V1EndpointSlice")
+
+    async def _reflect(self, reason: str = "initial") -> None:
+        assert self._api is not None
+        api = self._resource_calls()
         expired_in_a_row = 0
         while True:
             try:
@@ -332,11 +352,11 @@ class KubernetesDiscovery:
                 self._failed("list" if self.resource_version is None else "watch", exc)
                 await asyncio.sleep(self._backoff(self._failures))
 
-    async def _list(self, api: client.DiscoveryV1Api, reason: str) -> None:
+    async def _list(self, api: ResourceCalls, reason: str) -> None:
         slices: dict[str, list[SliceEndpoint]] = {}
         token: str | None = None
         while True:
-            page = await api.list_namespaced_endpoint_slice(
+            page = await api[0](
                 self.namespace, label_selector=self.selector, limit=LIST_PAGE_SIZE, _continue=token,
                 _request_timeout=REQUEST_TIMEOUT,
             )
@@ -348,18 +368,17 @@ class KubernetesDiscovery:
                 break
         self._slices = slices  # one swap: a relist never empties the set on the way
         self.resource_version = page.metadata.resource_version if page.metadata is not None else None
-        self._metrics.discovery_relists.labels(SOURCE, reason).inc()
+        self._metrics.discovery_relists.labels(self.source, reason).inc()
         if not slices and ("empty", self.selector) not in self._warned:
             self._warned.add(("empty", self.selector))
-            log.warning("no EndpointSlices match; is the Service name or selector right?",
-                        extra={"namespace": self.namespace, "selector": self.selector})
+            log.warning(self.EMPTY_WARNING, extra={"namespace": self.namespace, "selector": self.selector})
         self._listed = True
         self._events_since_list = 0
         self._recovered()
         self._dirty.set()
         self._notify()
 
-    async def _watch(self, api: client.DiscoveryV1Api) -> int:
+    async def _watch(self, api: ResourceCalls) -> int:
         """One watch request from `resource_version`, until the server ends it. Returns the events seen."""
         opened = False
 
@@ -368,7 +387,7 @@ class KubernetesDiscovery:
             # and a stream that breaks after opening is told apart from one that never opened.
             nonlocal opened
             kwargs.pop("_preload_content", None)
-            response = await api.list_namespaced_endpoint_slice_without_preload_content(**kwargs)
+            response = await api[1](**kwargs)
             if response.status != 200:
                 body = await response.text()
                 response.release()
@@ -378,7 +397,7 @@ class KubernetesDiscovery:
             return response
 
         events = 0
-        stream = watch.Watch(return_type="V1EndpointSlice")
+        stream = watch.Watch(return_type=api[2])
         try:
             async for event in stream.stream(
                 open_stream,
@@ -433,7 +452,7 @@ class KubernetesDiscovery:
     # ---- outage accounting --------------------------------------------------------------------------
 
     def _failed(self, kind: str, exc: BaseException) -> None:
-        self._metrics.discovery_errors.labels(SOURCE, kind).inc()
+        self._metrics.discovery_errors.labels(self.source, kind).inc()
         self._failures += 1
         self.up = False
         self._up_gauge.set(0)
@@ -516,7 +535,7 @@ class KubernetesDiscovery:
             # Now rather than on the scheduled rebuild: a terminating pod gets no request from here on, and
             # whoever wait_for()s this publish sees the new snapshot.
             self._balancer.rebuild()
-            self._metrics.discovery_updates.labels(SOURCE).inc()
+            self._metrics.discovery_updates.labels(self.source).inc()
             log.info("discovered endpoints changed", extra={
                 "serving": sorted(i for i, s in states.items() if s is EndpointState.SERVING),
                 "draining": sorted(i for i, s in states.items() if s is not EndpointState.SERVING),
@@ -571,7 +590,7 @@ class KubernetesDiscovery:
             self._pod_retry = asyncio.get_running_loop().call_later(self._backoff(self._pod_failures), retry)
 
     def _pod_failed(self, entry: SliceEndpoint, exc: BaseException) -> None:
-        self._metrics.discovery_errors.labels(SOURCE, "pod").inc()
+        self._metrics.discovery_errors.labels(self.source, "pod").inc()
         hint = " (the router needs get on pods, or set modelAnnotation: null)" \
             if isinstance(exc, ApiException) and exc.status == 403 else ""
         self._warn_once("pod", entry.pod_key or entry.id, f"cannot read the Pod for its models annotation{hint}; "
