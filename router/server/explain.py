@@ -48,7 +48,8 @@ from typing import Any
 import orjson
 
 from router.config.fields import Fields
-from router.routing.policies.base import DecisionTrace
+from router.routing.policies.base import DecisionTrace, Explained
+from router.routing.policies.registry import sentence
 from router.runtime.metrics import RouterMetrics
 
 log = logging.getLogger("fleetroute.decisions")
@@ -133,70 +134,18 @@ class Attempt:
 
 def summarise(attempt: Attempt) -> str:
     """One sentence on why the attempt's endpoint was chosen, from what the trace recorded (so it can never
-    disagree with the fields beside it). Reasons without a sentence here (another strategy's) give the reason
-    word itself."""
-    trace, d, chosen = attempt.trace, attempt.trace.detail, attempt.endpoint
+    disagree with the fields beside it), in the words of the policy that gave the reason
+    (router/routing/policies/registry.py `sentence`). A reason no policy explains gives the reason word itself."""
+    trace, chosen = attempt.trace, attempt.endpoint
     if chosen is None:
         return "no candidate: every endpoint serving the model was left out of the pool or excluded"
-    mine = trace.candidates.get(chosen, {})
-    n = len(trace.candidates)
-    reason = attempt.reason
-
-    def fmt(value: Any) -> str:
-        return f"{value:g}" if isinstance(value, float) else str(value)
-
-    if reason in ("least_loaded", "hash_key_missing", "all_at_bound", "load_bound_walk_capped"):
-        unit = "tokens" if d.get("load_unit") == "tokens" else "requests"
-        text = f"least load in flight ({fmt(mine.get('load'))} {unit}) of {n} candidates"
-        if d.get("tied"):
-            text += f", a tie of {d['tied']} broken at random"
-        if reason == "hash_key_missing":
-            text = f"no hash key ({d.get('key')}) in the request, so no affinity to keep: " + text
-        elif reason == "all_at_bound":
-            text = f"every candidate at the load bound ({d.get('bound')}): " + text
-        elif reason == "load_bound_walk_capped":
-            text = (f"the key's owner {d.get('owner')} and the next {d.get('walked')} endpoints on the ring are at "
-                    f"the load bound ({d.get('bound')}): " + text)
-        return text
-    sentences = {
-        "rotation": lambda: f"its turn in the rotation (position {d.get('position')} of {d.get('pool')})",
-        "rotation_all_ramping": lambda: "every candidate is ramping up (slow start) and declined its turn; "
-                                        "the first one takes it",
-        "ring": lambda: "the key's owner on the hash ring" + (
-            f", under the load bound ({mine.get('cluster_in_flight')} < {d['bound']})" if "bound" in d else ""),
-        "ring_walk": lambda: f"the key's owner {d.get('owner')} is excluded; the next endpoint on the ring",
-        "load_bound_overflow": lambda: f"the key's owner {d.get('owner')} is at the load bound ({d.get('bound')}); "
-                                       f"the next endpoint on the ring under it",
-        "prefix_hit": lambda: f"longest cached prefix ({mine.get('match_blocks')} of {d.get('blocks_hashed')} "
-                              f"blocks) and no load guard tripped",
-        "prefix_miss": lambda: (f"no endpoint holds the prompt's first block ({d.get('blocks_hashed')} hashed)"
-                                if d.get("blocks_hashed") else "the prompt is shorter than one block, nothing to "
-                                "match") + f"; the least loaded ({fmt(mine.get('load'))})",
-        "prefix_short": lambda: (f"the longest cached prefix ({d.get('best_match_blocks')} of {d.get('blocks_hashed')} "
-                                 f"blocks) is under minMatchShare ({fmt(d.get('min_match_share'))}) of the prompt; "
-                                 f"the least loaded ({fmt(mine.get('load'))})"),
-        "least_prefill": lambda: (
-            f"the soonest expected first token of {n} candidates: ({fmt(mine.get('pending_prefill'))} tokens queued + "
-            f"{fmt(mine.get('uncached_tokens'))} uncached, {mine.get('match_blocks')} of {d.get('blocks_hashed')} "
-            f"blocks cached) / {fmt(mine.get('speed_used'))} tokens/s = "
-            f"{fmt(mine.get('expected_wait_ms'))} ms ({d.get('event')})"
-            + (f", a tie of {d['tied']} broken by load, then at random" if d.get("tied") else "")),
-        "least_load_per_score": lambda: (
-            f"the least load per unit of score and weight of the {len(trace.sampled)} sampled (load "
-            f"{fmt(mine.get('load'))}, score {fmt(mine.get('score'))}, key {fmt(mine.get('key'))})"),
-        "best_score": lambda: f"the best score of the {len(trace.sampled)} sampled ({fmt(mine.get('score'))})",
-        "sticky_hit": lambda: f"the session's pinned endpoint, within its load bound "
-                              f"({mine.get('cluster_in_flight')} < {mine.get('sticky_bound')})",
-    }
-    if reason in sentences:
-        return sentences[reason]()
-    if reason.startswith("load_guard_"):
-        name = reason.removeprefix("load_guard_")
-        guard = d.get("guards", {}).get(name, {})
-        return (f"the best prefix match ({', '.join(d.get('best', []))}, {d.get('best_match_blocks')} blocks) "
-                f"tripped the {name} guard ({fmt(guard.get('value'))} against a limit of {fmt(guard.get('limit'))}); "
-                f"the least loaded ({fmt(mine.get('load'))})")
-    return reason or "unexplained"
+    explained = Explained(detail=trace.detail, chosen=trace.candidates.get(chosen, {}),
+                          candidates=len(trace.candidates), sampled=len(trace.sampled))
+    if attempt.reason == "sticky_hit":  # the router's own: the policy was not asked
+        return (f"the session's pinned endpoint, within its load bound ({explained.chosen.get('cluster_in_flight')} "
+                f"< {explained.chosen.get('sticky_bound')})")
+    write = sentence(attempt.reason)
+    return write(explained) if write is not None else attempt.reason or "unexplained"
 
 
 def rank(candidates: Mapping[str, dict[str, Any]], chosen: str | None,

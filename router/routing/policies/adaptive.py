@@ -50,6 +50,7 @@ from router.routing.policies.base import (
     whole_number,
 )
 from router.routing.policies.composite import MAX_QUEUE, PICKS, CompositeConfig, CompositePicker, Scorer, parse_choices
+from router.routing.policies.composite import REASONS as COMPOSITE_REASONS
 
 DEFAULT_WEIGHTS = {"gpu": 0.6, "memory": 0.3, "queue": 0.1}
 # Which telemetry signal feeds each term. "memory" is the KV cache, not GPU memory: vLLM pre-allocates
@@ -87,6 +88,7 @@ class AdaptiveConfig:
 
 class AdaptivePolicy:
     name = "adaptive"
+    reasons = COMPOSITE_REASONS  # it is the composite strategy with three telemetry scorers
     config_key = "adaptive"
 
     def parse(self, params: Mapping[str, Any]) -> AdaptiveConfig:

@@ -14,6 +14,7 @@ import itertools
 import math
 import random
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from router.model import EndpointView, RequestInfo
@@ -103,12 +104,42 @@ class Picker(Protocol):
     # only where a picker has it.
 
 
+@dataclass(frozen=True)
+class Explained:
+    """What the sentence for a pick's reason is written from (router/server/explain.py `summarise`): the
+    picker's own trace, so a sentence can never disagree with the fields shown beside it."""
+
+    detail: Mapping[str, Any]  # DecisionTrace.detail
+    chosen: Mapping[str, Any]  # the values the picker noted for the endpoint it chose
+    candidates: int  # endpoints it noted
+    sampled: int  # of which it drew (pickers of a random sample)
+
+
+Sentence = Callable[[Explained], str]
+
+
+def fmt(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def least_loaded_sentence(e: Explained) -> str:
+    unit = "tokens" if e.detail.get("load_unit") == "tokens" else "requests"
+    text = f"least load in flight ({fmt(e.chosen.get('load'))} {unit}) of {e.candidates} candidates"
+    return text + (f", a tie of {e.detail['tied']} broken at random" if e.detail.get("tied") else "")
+
+
+# The reasons `least_loaded_choice` gives (any policy may pick through it).
+REASONS: dict[str, Sentence] = {"least_loaded": least_loaded_sentence}
+
+
 class Policy(Protocol):
     """A routing strategy, registered by name (see `registry`)."""
 
     name: str
     # The key of the strategy's parameter block in a policy spec, e.g. `consistentHash`.
     config_key: str
+    # Each reason its pickers give (`DecisionTrace.reason`) with the sentence that explains it to an operator.
+    reasons: Mapping[str, Sentence]
 
     def parse(self, params: Mapping[str, Any]) -> Any:
         """Validate raw parameters; raise PolicyConfigError naming the field. Returns a frozen config."""

@@ -52,7 +52,9 @@ from router.routing.policies.base import (
     EventSink,
     LoadView,
     PolicyConfigError,
+    Sentence,
     finite_number,
+    fmt,
     listed,
     parse_load_unit,
     reject_unknown,
@@ -320,8 +322,17 @@ def parse_prefix(raw: Any) -> PrefixAwareConfig:
         raise PolicyConfigError(f"prefix.{exc.field}", exc.message) from None
 
 
+REASONS: dict[str, Sentence] = {
+    "least_load_per_score": lambda e: (
+        f"the least load per unit of score and weight of the {e.sampled} sampled (load {fmt(e.chosen.get('load'))}, "
+        f"score {fmt(e.chosen.get('score'))}, key {fmt(e.chosen.get('key'))})"),
+    "best_score": lambda e: f"the best score of the {e.sampled} sampled ({fmt(e.chosen.get('score'))})",
+}
+
+
 class CompositePolicy:
     name = "composite"
+    reasons = REASONS
     config_key = "composite"
 
     def parse(self, params: Mapping[str, Any]) -> CompositeConfig:

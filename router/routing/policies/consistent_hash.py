@@ -40,9 +40,12 @@ from router.model import EndpointView, RequestInfo
 from router.routing.policies.base import (
     DecisionTrace,
     EventSink,
+    Explained,
     LoadView,
     PolicyConfigError,
+    Sentence,
     least_loaded,
+    least_loaded_sentence,
     pool_index,
     reject_unknown,
 )
@@ -253,9 +256,32 @@ def ring_walk(ring: HashRing, key: str) -> Iterator[str]:
             return
 
 
+def _ring(e: Explained) -> str:
+    bound = e.detail.get("bound")
+    return "the key's owner on the hash ring" + (
+        f", under the load bound ({e.chosen.get('cluster_in_flight')} < {bound})" if "bound" in e.detail else "")
+
+
+REASONS: dict[str, Sentence] = {
+    "ring": _ring,
+    "ring_walk": lambda e: f"the key's owner {e.detail.get('owner')} is excluded; the next endpoint on the ring",
+    "load_bound_overflow": lambda e: (f"the key's owner {e.detail.get('owner')} is at the load bound "
+                                      f"({e.detail.get('bound')}); the next endpoint on the ring under it"),
+    # Falling back to the least loaded endpoint, and why:
+    "hash_key_missing": lambda e: (f"no hash key ({e.detail.get('key')}) in the request, so no affinity to keep: "
+                                   + least_loaded_sentence(e)),
+    "all_at_bound": lambda e: (f"every candidate at the load bound ({e.detail.get('bound')}): "
+                               + least_loaded_sentence(e)),
+    "load_bound_walk_capped": lambda e: (
+        f"the key's owner {e.detail.get('owner')} and the next {e.detail.get('walked')} endpoints on the ring are "
+        f"at the load bound ({e.detail.get('bound')}): " + least_loaded_sentence(e)),
+}
+
+
 class ConsistentHashPolicy:
     name = "consistent-hash"
     config_key = "consistentHash"
+    reasons = REASONS
     # Neither its build nor its picks read telemetry: a telemetry round keeps its picker (balancer.py).
     reads_telemetry = False
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from router.model import EndpointView, RequestInfo
 from router.routing.policies.base import (
+    REASONS,
     DecisionTrace,
     EventSink,
     LoadView,
@@ -65,6 +66,7 @@ class LeastConnectionsPicker:
 class LeastConnectionsPolicy:
     name = "least-connections"
     config_key = "leastConnections"
+    reasons = REASONS  # least_loaded, as every least-loaded choice explains itself (base.py)
     # Neither its build nor its picks read telemetry: a telemetry round keeps its picker (balancer.py).
     reads_telemetry = False
 

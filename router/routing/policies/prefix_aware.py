@@ -85,8 +85,11 @@ from router.model import EndpointView, RequestInfo
 from router.routing.policies.base import (
     DecisionTrace,
     EventSink,
+    Explained,
     LoadView,
     PolicyConfigError,
+    Sentence,
+    fmt,
     integer_param,
     listed,
     number_param,
@@ -607,9 +610,48 @@ def _bound(params: Mapping[str, Any]) -> int | str:
     return value
 
 
+def _prefix_miss(e: Explained) -> str:
+    d = e.detail
+    why = (f"no endpoint holds the prompt's first block ({d.get('blocks_hashed')} hashed)" if d.get("blocks_hashed")
+           else "the prompt is shorter than one block, nothing to match")
+    return why + f"; the least loaded ({fmt(e.chosen.get('load'))})"
+
+
+def _least_prefill(e: Explained) -> str:
+    d, mine = e.detail, e.chosen
+    return (f"the soonest expected first token of {e.candidates} candidates: ({fmt(mine.get('pending_prefill'))} "
+            f"tokens queued + {fmt(mine.get('uncached_tokens'))} uncached, {mine.get('match_blocks')} of "
+            f"{d.get('blocks_hashed')} blocks cached) / {fmt(mine.get('speed_used'))} tokens/s = "
+            f"{fmt(mine.get('expected_wait_ms'))} ms ({d.get('event')})"
+            + (f", a tie of {d['tied']} broken by load, then at random" if d.get("tied") else ""))
+
+
+def _load_guard(e: Explained, name: str) -> str:
+    d = e.detail
+    guard = d.get("guards", {}).get(name, {})
+    return (f"the best prefix match ({', '.join(d.get('best', []))}, {d.get('best_match_blocks')} blocks) "
+            f"tripped the {name} guard ({fmt(guard.get('value'))} against a limit of {fmt(guard.get('limit'))}); "
+            f"the least loaded ({fmt(e.chosen.get('load'))})")
+
+
+REASONS: dict[str, Sentence] = {
+    "prefix_hit": lambda e: (f"longest cached prefix ({e.chosen.get('match_blocks')} of "
+                             f"{e.detail.get('blocks_hashed')} blocks) and no load guard tripped"),
+    "prefix_miss": _prefix_miss,
+    "prefix_short": lambda e: (
+        f"the longest cached prefix ({e.detail.get('best_match_blocks')} of {e.detail.get('blocks_hashed')} "
+        f"blocks) is under minMatchShare ({fmt(e.detail.get('min_match_share'))}) of the prompt; "
+        f"the least loaded ({fmt(e.chosen.get('load'))})"),
+    "least_prefill": _least_prefill,
+    **{f"load_guard_{name}": lambda e, name=name: _load_guard(e, name)
+       for name in ("in_flight", "imbalance", "load_factor", "sigma")},  # GuardLimits.tripped's names
+}
+
+
 class PrefixAwarePolicy:
     name = "prefix-aware"
     config_key = "prefixAware"
+    reasons = REASONS
 
     def parse(self, params: Mapping[str, Any]) -> PrefixAwareConfig:
         reject_unknown(params, {"blockChars", "maxBlocks", "maxBlocksPerEndpoint", "minMatchShare", "maxImbalance",

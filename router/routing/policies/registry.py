@@ -1,11 +1,13 @@
-"""Policies by name. Adding a strategy means one module and one line in `BUILTIN`: no if/elif anywhere."""
+"""Policies by name. Adding a strategy means one module and one line in `BUILTIN`: no if/elif anywhere. The
+module owns everything about its strategy: its parameters, its pickers, and the sentence that explains each
+reason its pickers give (`reasons`), which explanations and the status page read through `sentence`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from router.routing.policies.adaptive import AdaptivePolicy
-from router.routing.policies.base import Policy
+from router.routing.policies.base import REASONS, Policy, Sentence
 from router.routing.policies.composite import CompositePolicy
 from router.routing.policies.consistent_hash import ConsistentHashPolicy
 from router.routing.policies.least_connections import LeastConnectionsPolicy
@@ -41,3 +43,22 @@ class PolicyRegistry:
 
     def all(self) -> list[Policy]:
         return list(self._by_name.values())
+
+
+def _sentences(policies: Iterable[Policy]) -> Mapping[str, Sentence]:
+    out: dict[str, Sentence] = dict(REASONS)
+    for policy in policies:
+        for reason, sentence in policy.reasons.items():
+            if out.get(reason, sentence) is not sentence:
+                raise ValueError(f"reason {reason!r} is explained twice (policy {policy.name!r})")
+            out[reason] = sentence
+    return out
+
+
+SENTENCES = _sentences(BUILTIN)
+
+
+def sentence(reason: str) -> Sentence | None:
+    """The sentence that explains a pick's reason, from the policy that gives it."""
+    return SENTENCES.get(reason)
+

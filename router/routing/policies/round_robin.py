@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.model import EndpointView, RequestInfo
-from router.routing.policies.base import DecisionTrace, EventSink, LoadView, reject_unknown
+from router.routing.policies.base import DecisionTrace, EventSink, LoadView, Sentence, reject_unknown
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,16 @@ class RoundRobinPicker:
         return fallback
 
 
+REASONS: dict[str, Sentence] = {
+    "rotation": lambda e: f"its turn in the rotation (position {e.detail.get('position')} of {e.detail.get('pool')})",
+    "rotation_all_ramping": lambda e: "every candidate is ramping up (slow start) and declined its turn; "
+                                      "the first one takes it",
+}
+
+
 class RoundRobinPolicy:
     name = "round-robin"
+    reasons = REASONS
     config_key = "roundRobin"
     # Neither its build nor its picks read telemetry: a telemetry round keeps its picker (balancer.py).
     reads_telemetry = False
