@@ -29,8 +29,7 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
       models: ["*"]                            names or shell-style patterns
       preset: realtime-chat                    optional: a tuned policy that the fields below adjust
                                                (see presets)
-      strategy: adaptive                       round-robin | least-connections | consistent-hash |
-                                               adaptive | prefix-aware | composite
+      strategy: adaptive                       {strategies}
       adaptive: {weights: {gpu: 0.6, memory: 0.3, queue: 0.1}, maxQueue: 32, choices: 2,
                  signals: {gpu: gpu_util, memory: kv_cache_usage, queue: num_waiting}, loadUnit: requests,
                  selection: least-load}        or best-score; choices: all scans every endpoint
@@ -144,6 +143,17 @@ See docs/configuration.md, docs/policies.md and docs/operations.md.
 """
 
 
+def _strategies_help() -> str:
+    """The registered strategies (router/routing/policies/registry.py), wrapped in the help's right-hand column."""
+    import textwrap
+
+    from router.routing.policies.registry import BUILTIN
+
+    column = " " * 47
+    return textwrap.fill(" | ".join(policy.name for policy in BUILTIN), 108, initial_indent=column,
+                         subsequent_indent=column, break_on_hyphens=False).lstrip()
+
+
 def _presets_help() -> str:
     """One entry per preset, its summary wrapped in the help's right-hand column."""
     import textwrap
@@ -244,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         "router",
         help="run the OpenAI-compatible routing proxy",
         description="Run the OpenAI-compatible routing proxy.",
-        epilog=ROUTER_EPILOG.replace("{presets}", _presets_help()),
+        epilog=ROUTER_EPILOG.replace("{presets}", _presets_help()).replace("{strategies}", _strategies_help()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     router.add_argument("--config", "-c", metavar="FILE", help="router YAML configuration")
