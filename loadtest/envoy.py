@@ -242,9 +242,11 @@ class Envoy:
 
 
 async def start(group: ProcessGroup, config: dict[str, Any], workdir: Path, *, name: str = "envoy",
-                cpus: str | None = None, timeout: float = 30.0) -> Envoy:
+                cpus: str | None = None, timeout: float = 30.0, keep_log: bool = True) -> Envoy:
     """Envoy as a child of `group` (stopped with it, by PID), ready: its admin answers /ready and every
-    listener is bound. ChildFailed (with its last log lines) when the binary is missing or it will not start."""
+    listener is bound. Its output goes to `workdir/<name>.log` with `keep_log` (else only the last lines are
+    kept, for errors; `workdir` may then be removed once it is ready: Envoy reads its files at start only).
+    ChildFailed (with its last log lines) when the binary is missing or it will not start."""
     binary = envoy_binary()
     if binary is None:
         raise ChildFailed(MISSING)
@@ -256,7 +258,8 @@ async def start(group: ProcessGroup, config: dict[str, Any], workdir: Path, *, n
             await asyncio.sleep(0.05)  # another process: its admin is all there is to poll
         return state
 
-    child = await group.start_command(name, argv, ready, timeout=timeout, log_path=workdir / f"{name}.log")
+    child = await group.start_command(name, argv, ready, timeout=timeout,
+                                     log_path=workdir / f"{name}.log" if keep_log else None)
     return Envoy(child, child.ready["admin"], dict(child.ready["listeners"]), envoy_version(binary), argv)
 
 
