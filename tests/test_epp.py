@@ -2,8 +2,9 @@
 wheel): Envoy moves the bytes, fleetroute's ext_proc server (router/gateway/) decides where each goes.
 
 Each test starts fake engines and the picker in this process (their state can be read directly), and Envoy
-as a child process with a bootstrap written here: an ext_proc filter (request headers SEND, request body
-BUFFERED, response headers SEND, response body STREAMED so a request stays in flight to its last byte), then
+as a child process with the bootstrap loadtest/envoy.py renders (the one the demo and the load-test harness
+run): an ext_proc filter (request headers SEND, request body BUFFERED, response headers SEND, response body
+STREAMED here so a request stays in flight to its last byte), then
 either an ORIGINAL_DST cluster that sends the request to the address in `x-gateway-destination-endpoint`, or
 (header `x-test-cluster: pool`) a STATIC cluster of the engines with Envoy's override_host policy, which honours
 the same header and falls back to round robin without it (what a gateway does for a FailOpen pool). A second
