@@ -2,7 +2,8 @@
 
 It answers every POST to /v1/* at once: a fixed chat completion (JSON, Content-Length), or, when the body
 says `"stream": true`, an SSE stream of `--chunks` `data:` events (chunked transfer encoding) followed by
-`data: [DONE]`, the first event written at once and the next ones `--token-interval-ms` apart. GET /metrics
+`data: [DONE]`, the first event written at once and the next ones `--token-interval-ms` apart (with
+`--tokens-from-request`, a request's own `max_tokens`, at most 4,096, sets its number of events). GET /metrics
 returns a small vLLM-style page (so the router's telemetry scrape works as in production), GET /health 200,
 GET /v1/models the one model (peer routers' readiness checks ask for it).
 Keep-alive and pipelined requests are supported; there is no JSON validation beyond what the router needs.
@@ -76,8 +77,9 @@ def _sse(i: int) -> bytes:
 
 
 class BackendProtocol(asyncio.Protocol):
-    def __init__(self, chunks: int, interval: float) -> None:
+    def __init__(self, chunks: int, interval: float, tokens_from_request: bool = False) -> None:
         self.chunks = chunks
+        self.tokens_from_request = tokens_from_request
         self.interval = interval
         self.buf = b""
         self.transport: asyncio.Transport | None = None
@@ -123,8 +125,12 @@ class BackendProtocol(asyncio.Protocol):
         while self.pending and self.transport is not None and self.streaming is None:
             method, path, body = self.pending.pop(0)
             if method == b"POST" and path.startswith(b"/v1/"):
-                if b'"stream"' in body and orjson.loads(body).get("stream"):
-                    self.streaming = asyncio.get_running_loop().create_task(self._stream())
+                request = orjson.loads(body) if b'"stream"' in body else {}
+                if request.get("stream"):
+                    chunks = self.chunks
+                    if self.tokens_from_request and isinstance(request.get("max_tokens"), int):
+                        chunks = max(1, min(request["max_tokens"], 4096))
+                    self.streaming = asyncio.get_running_loop().create_task(self._stream(chunks))
                     return
                 self.transport.write(OK_COMPLETION)
             elif path == b"/metrics":
@@ -136,11 +142,11 @@ class BackendProtocol(asyncio.Protocol):
             else:
                 self.transport.write(NOT_FOUND)
 
-    async def _stream(self) -> None:
+    async def _stream(self, chunks: int) -> None:
         try:
             assert self.transport is not None
             self.transport.write(STREAM_HEAD + _sse(0))
-            for i in range(1, self.chunks):
+            for i in range(1, chunks):
                 await asyncio.sleep(self.interval)
                 if self.transport is None:
                     return
@@ -153,7 +159,7 @@ class BackendProtocol(asyncio.Protocol):
         self._drain()
 
 
-async def serve(ports: int, chunks: int, interval: float) -> None:
+async def serve(ports: int, chunks: int, interval: float, tokens_from_request: bool = False) -> None:
     loop = asyncio.get_running_loop()
     servers = []
     for _ in range(ports):
@@ -161,7 +167,8 @@ async def serve(ports: int, chunks: int, interval: float) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         servers.append(
-            await loop.create_server(lambda: BackendProtocol(chunks, interval), sock=sock, backlog=1024)
+            await loop.create_server(lambda: BackendProtocol(chunks, interval, tokens_from_request), sock=sock,
+                                     backlog=1024)
         )
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -178,9 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ports", type=int, default=1, help="listening ports (one per fake endpoint)")
     parser.add_argument("--chunks", type=int, default=16, help="SSE data events per streamed completion")
     parser.add_argument("--token-interval-ms", type=float, default=1.0, help="delay between two SSE events")
+    parser.add_argument("--tokens-from-request", action="store_true",
+                        help="a streamed answer has the request's max_tokens events (at most 4096), else --chunks")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     args = parser.parse_args(argv)
-    coro = serve(args.ports, args.chunks, args.token_interval_ms / 1000)
+    coro = serve(args.ports, args.chunks, args.token_interval_ms / 1000, args.tokens_from_request)
     if args.loop == "uvloop":
         try:
             import uvloop

@@ -16,7 +16,7 @@ for step in "${steps[@]}"; do
     echo "=== $step ($(date -u +%H:%M:%S))"
     case "$step" in
         overhead)
-            python -m loadtest.router_overhead --out "$OUT/overhead" \
+            python -m loadtest.router_overhead --out "$OUT/overhead" --envoy-epp \
                 --peers vllm-router:round_robin,sglang-router:round_robin,litellm:simple-shuffle,nginx:least_conn ;;
         scale)
             mkdir -p "$OUT/scale"

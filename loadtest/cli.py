@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import signal
 import sys
@@ -42,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     what.add_argument("--render", metavar="RESULTS", help="redraw the report of a scenario's results.json")
     p.add_argument("--out", metavar="DIR", help="where a scenario's results, report and plots go")
     p.add_argument("--policies", help="scenario: run only these policies (comma-separated labels)")
+    p.add_argument("--gateway", choices=("router", "envoy", "both"), default="router",
+                   help="scenario: fleetroute's data path: its router (default), real Envoy with `fleetroute epp` "
+                        "deciding (labels gain ' via envoy'), or both, each policy on the same arrivals")
     p.add_argument("--extend", action="store_true",
                    help="scenario: keep --out's earlier results and run only what they lack (new load points or "
                         "policies; a policy that missed the SLO at a lower rate is not run higher)")
@@ -160,9 +164,10 @@ def print_summaries(summaries: list[dict[str, Any]], closed: bool) -> None:
 async def run_scenario_file(args: argparse.Namespace) -> Path:
     from loadtest.report import write_report
     from loadtest.runner import run_scenario
-    from loadtest.scenario import load_scenario
+    from loadtest.scenario import load_scenario, with_gateway
 
     scenario = load_scenario(args.scenario)
+    scenario = dataclasses.replace(scenario, policies=with_gateway(scenario.policies, args.gateway))
     only = [p.strip() for p in args.policies.split(",")] if args.policies else None
     known = [e.label for e in scenario.policies]
     if only and (unknown := [p for p in only if p not in known]):

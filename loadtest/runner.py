@@ -38,7 +38,7 @@ import aiohttp
 
 from loadtest import arrivals
 from loadtest.client import PlannedRequest, Result, run_closed_loop, run_open_loop
-from loadtest.fleet import Fleet, busy_fractions, start_router, wait_for_telemetry
+from loadtest.fleet import Fleet, busy_fractions, start_gateway, start_router, wait_for_telemetry
 from loadtest.host import cpu_seconds
 from loadtest.processes import ChildFailed, ProcessGroup
 from loadtest.progress import Progress
@@ -199,7 +199,7 @@ class StartedRouter:
     admin: str | None  # fleetroute's admin URL; None for a peer
     headers: dict[str, str]  # sent with every request (a peer's API key)
     version: str
-    pid: int  # the router's process (its tree is what runs on the router's cores)
+    pids: tuple[int, ...]  # the router's processes (their trees are what runs on the router's cores)
     telemetry_ready: bool = True  # fleetroute: telemetry of every replica arrived before the load started
     peer: Any = None  # loadtest.peers.StartedPeer
 
@@ -211,12 +211,18 @@ async def _start_policy(entry: PolicyEntry, fleet: Fleet, scenario: Scenario, cp
         spec = parse_peer_spec(entry.peer)
         peer = await start_peer(fleet.group, spec.peer, spec.policy, list(fleet.urls.items()), scenario.fleet.model,
                                 cpu=",".join(str(c) for c in sorted(cpus)) if cpus else None)
-        return StartedRouter(peer.url, None, dict(peer.headers), str(peer.version), peer.child.process.pid, peer=peer)
-    child, ingress, admin = await start_router(fleet, entry.config, scenario.router, cpus=cpus)
+        return StartedRouter(peer.url, None, dict(peer.headers), str(peer.version), (peer.child.process.pid,),
+                             peer=peer)
+    if entry.gateway == "envoy":  # Envoy moves the bytes, `fleetroute epp` decides: both count as the router
+        children, ingress, admin = await start_gateway(fleet, entry.config, scenario.router, cpus=cpus)
+    else:
+        child, ingress, admin = await start_router(fleet, entry.config, scenario.router, cpus=cpus)
+        children = [child]
     # Telemetry is sampled every interval of simulated time; allow a few intervals, in wall time.
     f = scenario.fleet
     ready = await wait_for_telemetry(admin, len(fleet.urls), timeout=max(10.0, 5 * f.telemetry_interval * f.time_scale))
-    return StartedRouter(ingress, admin, {}, "fleetroute", child.process.pid, telemetry_ready=ready)
+    version = "fleetroute" if entry.gateway == "router" else "fleetroute epp + envoy"
+    return StartedRouter(ingress, admin, {}, version, tuple(c.process.pid for c in children), telemetry_ready=ready)
 
 
 def _failed_record(entry: PolicyEntry, point: int, value: float, rate: float, started_at: str, wall0: float,
@@ -256,7 +262,7 @@ async def run_one(scenario: Scenario, entry: PolicyEntry, point: int, value: flo
         async with aiohttp.ClientSession() as session:
             before = await fleet.gpu_busy(session)
             counters_before = await fleet.engine_counters(session)
-            cpu0, t0 = cpu_seconds(router.pid), time.monotonic()
+            cpu0, t0 = sum(map(cpu_seconds, router.pids)), time.monotonic()
             expected = (plan[-1].at * scale if plan else 1.0) or 1.0
             sampler = asyncio.create_task(_sample_utilisation(fleet, session, max(1.0, expected / 60), timeline))
             try:
@@ -269,7 +275,7 @@ async def run_one(scenario: Scenario, entry: PolicyEntry, point: int, value: flo
                 sampler.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await sampler
-            router_cpu = (cpu_seconds(router.pid) - cpu0) / max(time.monotonic() - t0, 1e-9)
+            router_cpu = (sum(map(cpu_seconds, router.pids)) - cpu0) / max(time.monotonic() - t0, 1e-9)
             after = await fleet.gpu_busy(session)
             counters = await fleet.engine_counters(session)
             events = await _router_events(admin, session) if admin else {}
@@ -317,6 +323,11 @@ def check_peers(entries: Sequence[PolicyEntry]) -> None:
             missing.append(f"{entry.peer}: {reason}")
     if missing:
         raise ConfigError("policies", "peer routers not available: " + "; ".join(dict.fromkeys(missing)))
+    if any(entry.gateway == "envoy" for entry in entries):
+        from loadtest.envoy import MISSING, envoy_binary
+
+        if envoy_binary() is None:
+            raise ConfigError("policies", f"a policy runs through Envoy (gateway: envoy) but {MISSING}")
 
 
 def harness_cpus() -> tuple[set[int] | None, set[int] | None]:

@@ -26,12 +26,16 @@ merge field by field, anything else (lists included) is replaced.
 Rates and durations are in simulated time. A policy is a fleetroute strategy name, a mapping with the fields
 of one entry of the router's `policies:` list (validated by the router's own parser, so errors read the same),
 or a peer router spelled `peer:policy` (loadtest/peers). Every error names the field by its path in the file.
+A fleetroute mapping may add `gateway: envoy`: that policy then runs as `fleetroute epp` behind real Envoy
+(loadtest/envoy.py) instead of as `fleetroute router`, with the same routing config; its label defaults to
+`<strategy> via envoy`, so `[round-robin, {strategy: round-robin, gateway: envoy}]` compares the two data
+paths on the same arrivals (`fleetroute loadtest --gateway both` does that for every policy of a scenario).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +132,31 @@ class PolicyEntry:
     label: str  # as reports name it
     peer: str | None = None  # "vllm-router:cache_aware"; None: fleetroute
     config: Mapping[str, Any] = field(default_factory=dict)  # fleetroute: one router `policies:` entry
+    gateway: str = "router"  # fleetroute's data path: `router` (the aiohttp proxy) or `envoy` (Envoy + the EPP)
+
+
+GATEWAYS = ("router", "envoy")
+ENVOY_SUFFIX = " via envoy"
+
+
+def with_gateway(entries: tuple[PolicyEntry, ...], mode: str) -> tuple[PolicyEntry, ...]:
+    """`fleetroute loadtest --gateway`: `router` leaves the entries as they are, `envoy` runs every fleetroute
+    policy through Envoy + the EPP, `both` follows each fleetroute policy with its Envoy twin (same config,
+    label + " via envoy"), so both data paths see the same arrivals. Peers are left as they are."""
+    if mode not in (*GATEWAYS, "both"):
+        raise ConfigError("--gateway", f"must be router, envoy or both, got {mode!r}")
+    out: list[PolicyEntry] = []
+    for entry in entries:
+        if entry.peer is not None or entry.gateway == "envoy" or mode == "router":
+            out.append(entry)
+            continue
+        twin = replace(entry, label=entry.label + ENVOY_SUFFIX, gateway="envoy")
+        out += [entry, twin] if mode == "both" else [twin]
+    labels = [e.label for e in out]
+    if len(set(labels)) != len(labels):
+        raise ConfigError("--gateway", "a policy and its Envoy twin would share a label: "
+                          + ", ".join(sorted({x for x in labels if labels.count(x) > 1})))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -329,12 +358,16 @@ def _policies(f: Fields, fleet: FleetSpec) -> tuple[PolicyEntry, ...]:
             raise ConfigError(path, f"must be a strategy name, peer:policy or a mapping, got {_show(item)}")
         item = dict(item)
         if "peer" in item:
-            extra = set(item) - {"peer", "label"}
+            extra = set(item) - {"peer", "label"}  # no `gateway:` either: a peer is its own data path
             if extra:
                 raise ConfigError(f"{path}.{sorted(extra)[0]}", "unknown field for a peer (expected peer, label)")
             entries.append(_peer_entry(path, item["peer"], item.get("label")))
             continue
-        label = item.pop("label", None) or item.get("name") or item.get("strategy", "adaptive")
+        gateway = item.pop("gateway", "router")
+        if gateway not in GATEWAYS:
+            raise ConfigError(f"{path}.gateway", f"must be one of {', '.join(GATEWAYS)}, got {_show(gateway)}")
+        label = item.pop("label", None) or str(item.get("name") or item.get("strategy", "adaptive")) + (
+            ENVOY_SUFFIX if gateway == "envoy" else "")
         config = {"name": _policy_name(str(label)), "models": ["*"], **item}
         try:  # the router's own parser: the same messages an operator would get from the router
             parse_settings({"endpoints": [{"id": "x", "url": "http://127.0.0.1:1", "models": [fleet.model]}],
@@ -342,7 +375,7 @@ def _policies(f: Fields, fleet: FleetSpec) -> tuple[PolicyEntry, ...]:
         except ConfigError as exc:  # its paths are those of a router config with this policy first
             message = str(exc).removeprefix(f"{exc.path}: ")
             raise ConfigError(exc.path.replace("policies[0]", path, 1), message) from None
-        entries.append(PolicyEntry(label=str(label), config=config))
+        entries.append(PolicyEntry(label=str(label), config=config, gateway=gateway))
     if not entries:
         raise ConfigError(f.at("policies"), "must list at least one policy to compare")
     labels = [e.label for e in entries]

