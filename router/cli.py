@@ -23,6 +23,9 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
                                                only the named Services' pods join the static endpoints
                                                (EndpointSlice watch; labelSelector: the older form, which
                                                any Service with the labels joins; docs/kubernetes.md)
+             {kubernetes: {inferencePool: NAME, weightLabel: fleetroute.io/weight}}
+                                               or the Ready Pods a Gateway API Inference Extension
+                                               InferencePool selects, one endpoint per target port
   policies:                                    first policy whose models match a request's model wins;
     - name: chat                               others use the built-in "builtin-fallback" (adaptive, all
                                                defaults; the name is reserved)
@@ -33,22 +36,30 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
       adaptive: {weights: {gpu: 0.6, memory: 0.3, queue: 0.1}, maxQueue: 32, choices: 2,
                  signals: {gpu: gpu_util, memory: kv_cache_usage, queue: num_waiting}, loadUnit: requests,
                  selection: least-load}        or best-score; choices: all scans every endpoint
+      roundRobin: {}                           no parameters
       leastConnections: {loadUnit: requests}   or tokens: in-flight load as predicted cost (see cost)
       consistentHash: {key: "header:x-session-id", maxLoadFactor: null}   or key: body:<field>
       prefixAware: {selection: longest-match, blockChars: 256, maxBlocks: 64, maxBlocksPerEndpoint: auto,
                     minMatchShare: 0.2, maxImbalance: 8, maxInFlight: null, maxLoadFactor: null, sigmaK: null,
                     sharing: {enabled: true, ttl: 10m, maxStreamEntries: 8192},
-                    tuning: {enabled: true, window: 30s, tolerance: 0.1}}
+                    tuning: {enabled: true, window: 30s, tolerance: 0.1}, index: approximate}
                                                selection: or least-prefill, the soonest expected
                                                first token (queued + uncached prefill / measured
                                                speed; no imbalance guard unless set);
                                                auto: sized from the engine's KV capacity; sharing
                                                through Redis when configured; tuned against the
-                                               engine's prefix-cache hit rate
+                                               engine's prefix-cache hit rate; index: precise reads the
+                                               engines' KV events (see kvEvents)
       composite: {scorers: {gpu: 0.4, memory: {weight: 0.2, signal: kv_cache_usage}, queue: {weight: 0.1,
                   maxQueue: 32}, load: 0.1, prefix: 0.2}, pick: least-load, choices: 2, loadUnit: requests,
                   loadGuard: {maxInFlight, maxImbalance, maxLoadFactor, sigmaK}, prefix: {blockChars: 256, ...}}
                                                your own mix: filter -> weighted scorers -> pick
+      aliases: [{name: llama-3-8b, sticky: false, targets: [{model: llama-3-8b-v1, weight: 90},
+                                                            {model: llama-3-8b-v2, weight: 10}]}]
+                                               model aliases: a request for the name goes to a target by
+                                               weight (by session when sticky), its model rewritten
+      lora: {spillover: 8}                     the policy's models are LoRA adapters: sent where the
+                                               adapter is active, else to a free adapter slot
       timeouts: {connect: 5s, firstByte: 300s, idle: 60s, total: null}
       retries: {attempts: 2, budgetPercent: 20, minRetriesPerSecond: 10}
                                                only before any byte reached the client: connect failures,
@@ -114,6 +125,13 @@ configuration (YAML; every field optional except endpoints' id/url/models and po
                                                default), priority <= maxPriority, and the file's
                                                policies matched first unless overrideFilePolicies;
                                                others are refused in their status (docs/kubernetes.md)
+  tracing: {enabled: false, endpoint: "http://127.0.0.1:4318/v1/traces", serviceName: fleetroute,
+            sampleRatio: 1, timeout: 10s, headersEnv: VAR}
+                                               OpenTelemetry spans per request over OTLP/HTTP; the
+                                               engine gets the attempt's traceparent
+  kvEvents: {endpoints: [{endpoint: ID, address: "tcp://HOST:5557", bind: false, replay: ADDRESS}], port: null,
+             topic: "", maxBlocksPerEndpoint: 262144, warmup: 30s, silentAfter: 60s, replayTimeout: 1s}
+                                               vLLM's KV-cache events (ZMQ) for prefixAware.index: precise
   stallDetection: {enabled: true, minSilence: 5s, silenceFactor: 4, probeTimeout: 3s}
                                                wedged engines: requests outstanding, no head or chunk for
                                                max(minSilence, silenceFactor x p99 time to first byte),

@@ -178,6 +178,21 @@ def test_cli_help_documents_the_configuration(tmp_path: Path) -> None:
         assert word in result.stdout
 
 
+def _known_fields(config: dict) -> list[str]:
+    """The fields the parser accepts where `config` has an unknown one, from its own error message."""
+    with pytest.raises(ConfigError) as info:
+        parse_settings(config)
+    return str(info.value).split("expected one of: ", 1)[1].rstrip(")").split(", ")
+
+
+def test_cli_help_names_every_top_level_and_policy_field(tmp_path: Path) -> None:
+    help_text = _cli("router", "--help", cwd=tmp_path).stdout
+    top = _known_fields({"noSuchField": 1})
+    policy = _known_fields({"policies": [{"name": "p", "noSuchField": 1}]})
+    missing = [f for f in top + policy if f not in ("noSuchField",) and f"{f}:" not in help_text]
+    assert not missing, f"fleetroute router --help does not show {missing}"
+
+
 @pytest.mark.parametrize("policy", [
     {"stickiness": {"maxLoadFactor": float("inf")}},
     {"strategy": "consistent-hash", "consistentHash": {"maxLoadFactor": float("nan")}},

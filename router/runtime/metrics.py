@@ -650,8 +650,9 @@ class RouterMetrics:
         )
         self.prefix_bound_changes = Counter(
             "fleetroute_prefix_index_bound_changes",
-            "Changes of an endpoint's prefix-index bound, by reason: kv_capacity (the engine reported its KV "
-            "capacity), shrink (the index claimed more hits than the engine delivered), grow (they agreed again).",
+            "Changes of an endpoint's prefix-index bound, by reason: config (maxBlocksPerEndpoint set), kv_capacity "
+            "(the engine reported its KV capacity), fallback (no capacity known yet), shrink (the index claimed more "
+            "hits than the engine delivered), grow (they agreed again).",
             ["policy", "reason"],
             registry=r,
         )

@@ -50,9 +50,9 @@ def parse_lora(block: Any) -> LoraAffinity | None:
         return None
     if not isinstance(block, Mapping):
         raise LoraConfigError("", f"must be a mapping (its models are LoRA adapters), got {type(block).__name__}")
-    unknown = set(block) - {"spillover"}
+    unknown = sorted(str(key) for key in block if key != "spillover")
     if unknown:
-        raise LoraConfigError("", f"unknown field(s) {', '.join(sorted(map(str, unknown)))} (known: spillover)")
+        raise LoraConfigError(f".{unknown[0]}", "unknown field (expected one of: spillover)")
     spillover = block.get("spillover", LoraAffinity.spillover)
     if isinstance(spillover, bool) or not isinstance(spillover, int) or not 1 <= spillover <= 100_000:
         raise LoraConfigError(".spillover", f"must be an integer from 1 to 100000, got {spillover!r}")
