@@ -7,10 +7,11 @@ The document holds the prose; each measured block sits between two markers and i
     <!-- generated:seed-table -->  ...  <!-- /generated -->
 
 Names: a scenario's (its report and plots, the PNGs copied to docs/img/), `lab:<file stem>` (a lab table),
-`overhead` (the router-overhead comparison with the peers), `scale` (the scale benchmark's tables and
-plots), `streams`, `faults` and `tenants` (the JSON of loadtest/streams.py, faults.py and tenants.py:
-`<results>/<name>/<name>.json`, else the run committed as docs/results/<name>.json). A block whose results
-are missing is left as it is, and said so.
+`overhead` (the router-overhead comparison with the peers: the newest `<results>/overhead/` run, else
+docs/results/overhead.json), `scale` (the scale benchmark's tables and plots), `streams`, `faults` and
+`tenants` (the JSON of loadtest/streams.py, faults.py and tenants.py: `<results>/<name>/<name>.json`, else the
+run committed as docs/results/<name>.json), `telemetry-deltas` (docs/results/telemetry-deltas/*.json). A
+block whose results are missing is left as it is, and said so.
 """
 
 from __future__ import annotations
@@ -87,9 +88,10 @@ def render(name: str, results: Path, images: Path) -> str | None:
     if name.startswith("lab:"):
         path = results / "lab" / f"{name[4:]}.md"
         return path.read_text() if path.exists() else None
-    if name == "overhead":
+    if name == "overhead":  # this machine's latest run, else the one committed in docs/results/
         found = sorted((results / "overhead").glob("router-overhead-*.json"))
-        return overhead_table(json.loads(found[-1].read_text())) if found else None
+        path = found[-1] if found else ROOT / "docs" / "results" / "overhead.json"
+        return overhead_table(json.loads(path.read_text())) if path.exists() else None
     if name in ("streams", "faults", "tenants"):  # a run's JSON: this machine's latest, else the committed one
         path = next((p for p in (results / name / f"{name}.json", ROOT / "docs" / "results" / f"{name}.json")
                      if p.exists()), None)

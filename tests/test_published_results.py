@@ -10,7 +10,7 @@ import pytest
 from loadtest.publish import BLOCK, render
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMITTED = ("streams", "faults", "tenants", "telemetry-deltas")  # blocks rendered from docs/results/
+COMMITTED = ("streams", "faults", "tenants", "telemetry-deltas", "overhead")  # blocks rendered from docs/results/
 
 
 @pytest.mark.parametrize("name", COMMITTED)
