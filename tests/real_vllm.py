@@ -309,37 +309,41 @@ def _requests_on_engine(page: str) -> float:
     return (_sample(page, "vllm:num_requests_running{") or 0) + (_sample(page, "vllm:num_requests_waiting{") or 0)
 
 
+def _pause_at(url: str, min_requests: int, *, deadline: float) -> bool:
+    """Pause the engine the moment /metrics shows at least `min_requests` running + waiting; False if that
+    never happened before `deadline`. (Any moment will do: on a busy machine a full batch and a queue at the
+    same moment may never show.)"""
+    while time.monotonic() < deadline:
+        if _requests_on_engine(http_get(url + "/metrics")[1]) >= min_requests:
+            pause(url)
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def freeze_with_backlog(url: str, *, min_requests: int, attempts: int = 3) -> tuple[Load, str]:
     """A real backlog that holds still: fire long requests, and the moment /metrics shows at least
-    `min_requests` running + waiting (more than MAX_NUM_SEQS: a queue), pause the engine. Returns the load (resume the engine, then `finish()` it) and the
-    frozen page, with at least `min_requests` running + waiting.
+    `min_requests` running + waiting (more than MAX_NUM_SEQS: a queue), pause the engine. Returns the load
+    (resume the engine, then `finish()` it) and the frozen page, with at least `min_requests` running + waiting.
 
     The tiny model decodes a batch in ~2 ms a step, so an unfrozen backlog lasts a second or two and comes and
     goes while the API server feeds it: too short to assert on what a router scraping it decides."""
     for _ in range(attempts):
-        load = Load(url, requests=4 * MAX_NUM_SEQS, max_tokens=300)
-        deadline = time.monotonic() + 60
+        # Eight times the batch, fired at once: the API server may feed the engine more slowly than it drains
+        # on a busy machine, and a larger burst still piles up a queue behind the batch.
+        load = Load(url, requests=8 * MAX_NUM_SEQS, max_tokens=300)
         try:
-            # Any moment with enough requests on the engine will do (on a busy machine the API server may feed
-            # the batch more slowly than it drains, so a full batch and a queue at once can never show).
-            while time.monotonic() < deadline:
-                page = http_get(url + "/metrics")[1]
-                if _requests_on_engine(page) >= min_requests:
-                    pause(url)
-                    break
-                time.sleep(0.01)
-            else:
-                raise RuntimeError(f"never saw {min_requests} requests on the engine")
-            frozen = http_get(url + "/metrics")[1]
-            if _requests_on_engine(frozen) >= min_requests:
-                return load, frozen
-            resume(url)  # steps between the look and the pause emptied the queue: again
+            if _pause_at(url, min_requests, deadline=time.monotonic() + 30):
+                frozen = http_get(url + "/metrics")[1]
+                if _requests_on_engine(frozen) >= min_requests:
+                    return load, frozen
+                resume(url)  # steps between the look and the pause emptied the queue: again
         except BaseException:
             with contextlib.suppress(OSError):
                 resume(url)
             load.finish()
             raise
-        load.finish()
+        load.finish()  # this burst never showed enough at once: another
     raise RuntimeError(f"could not freeze {min_requests} requests in {attempts} attempts")
 
 

@@ -136,7 +136,7 @@ def test_parser_sees_a_real_queue(vllm: list[VllmServer]) -> None:
     try:
         sample = parse_vllm_metrics(frozen)
         assert 0 < sample.num_running <= MAX_NUM_SEQS  # the batch (the rest of it may still be prefilling)
-        assert 0 < sample.num_waiting <= 3 * MAX_NUM_SEQS
+        assert 0 < sample.num_waiting < 8 * MAX_NUM_SEQS  # freeze_with_backlog fires eight batches' worth
         assert sample.num_running + sample.num_waiting >= MAX_NUM_SEQS + 1
         assert sample.kv_cache_usage is not None and sample.kv_cache_usage > 0.0
         assert parse_vllm_metrics(metrics(server)) == sample  # paused: the gauges hold still
