@@ -275,12 +275,12 @@ async def test_a_round_reads_only_the_records_agents_announced_and_a_full_read_c
     registry, metrics = PolicyRegistry(), RouterMetrics()
     adaptive = registry.get("adaptive")
     assert adaptive is not None
+    mono = MonoClock()  # the feed's and the balancer's clock: reports' ages are judged on it
     balancer = Balancer(policies=[PolicySpec(name="p", models=(MODEL,), strategy="adaptive", params=adaptive.parse({}))],
                         registry=registry, metrics=metrics, loads=LoadTracker(metrics), stale_after=3600,
-                        rng=_random.Random(1))
+                        rng=_random.Random(1), clock=mono)
     balancer.set_endpoints([Endpoint(i, f"http://{i}", (MODEL,)) for i in ids])
     store = RedisStore(await connect(RedisSettings(url=redis_url), timeout=5))
-    mono = MonoClock()
     feed = TelemetryFeed(store=store, balancer=balancer, metrics=metrics, mono_clock=mono, full_read_every=60)
     wake = asyncio.Event()
     listener = asyncio.create_task(store.listen(wake, 0.05, metrics))
@@ -333,3 +333,90 @@ async def test_a_round_reads_only_the_records_agents_announced_and_a_full_read_c
         listener.cancel()
         await asyncio.gather(listener, return_exceptions=True)
         await store.close()
+
+
+class FreezingProxy:
+    """TCP to Redis through 127.0.0.1; `freeze()` stops forwarding on the connections open now without closing
+    them, as a dead node or a partition does (no error, no FIN): new connections pass."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.frozen: list[asyncio.Event] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        frozen = asyncio.Event()
+        self.frozen.append(frozen)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                if frozen.is_set():
+                    await asyncio.Event().wait()  # hold the bytes: nothing more flows, nothing closes
+                dst.write(data)
+                await dst.drain()
+
+        try:
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        finally:
+            for w in (writer, up_writer):
+                w.close()
+
+    def freeze(self) -> None:
+        for event in self.frozen:
+            event.set()
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.server.wait_closed()
+
+
+async def test_a_subscription_that_hangs_is_noticed_and_made_again(redis_url) -> None:  # noqa: F811
+    from router.runtime.metrics import RouterMetrics
+
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = FreezingProxy(port)
+    proxy_url = f"redis://127.0.0.1:{await proxy.start()}/0"
+    metrics = RouterMetrics()
+    store = RedisStore(await connect(RedisSettings(url=proxy_url), timeout=5))
+    wake = asyncio.Event()
+    listener = asyncio.create_task(store.listen(wake, 0.2, metrics))
+    announcer = aioredis.from_url(redis_url)
+
+    async def announced(endpoint_id: str) -> None:
+        """Publish until the store has noted `endpoint_id` (the subscription may still be on its way)."""
+        async with asyncio.timeout(10):
+            while True:
+                await announcer.publish(UPDATES_CHANNEL, endpoint_id)
+                await asyncio.sleep(0.05)
+                changes = store.take_changes()
+                if changes is not None and endpoint_id in changes:
+                    return
+
+    try:
+        await announced(unique("before"))
+        proxy.freeze()  # the subscription's connection hangs: announcements stop arriving, no error is raised
+        async with asyncio.timeout(10):
+            while not metrics.registry.get_sample_value("fleetroute_telemetry_subscription_restarts_total",
+                                                        {"reason": "silent"}):
+                await asyncio.sleep(0.05)
+        assert store.take_changes() is None  # the round after a restart reads every record
+        await announced(unique("after"))  # the new subscription (a new connection) hears agents again
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await store.close()
+        await announcer.aclose()
+        await proxy.close()

@@ -209,6 +209,13 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        self.telemetry_subscription_restarts = Counter(
+            "fleetroute_telemetry_subscription_restarts",
+            "Telemetry announcement subscriptions made again, by reason: error (Redis failed or closed it) or "
+            "silent (no message and no answer to a ping for two telemetry intervals: a hung connection).",
+            ["reason"],
+            registry=r,
+        )
         self.telemetry_records_read = Counter(
             "fleetroute_telemetry_records_read",
             "Endpoint records read from the telemetry store (Redis) or the embedded collection.",

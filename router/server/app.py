@@ -156,10 +156,12 @@ async def _upstream(app: web.Application) -> AsyncIterator[None]:
             collection = EmbeddedCollection(session=session, store=memory, settings=telemetry, metrics=ctx.metrics)
             before_refresh = lambda: collection.collect(ctx.balancer.endpoints())  # noqa: E731
             ctx.telemetry_collection = collection
-        # Between full reads a round reads only the records agents announced; a full read every half of
-        # staleAfter catches a lost announcement before the endpoint's telemetry could go stale for it.
-        feed = ctx.telemetry_feed = TelemetryFeed(store=store, balancer=ctx.balancer, metrics=ctx.metrics,
-                                                  full_read_every=telemetry.stale_after / 2)
+        # Between full reads a round reads only the records agents announced; full reads at most half of
+        # staleAfter apart catch a lost announcement before the endpoint's telemetry could go stale for it.
+        # A round comes up to one interval after a full read falls due, hence the interval taken off.
+        feed = ctx.telemetry_feed = TelemetryFeed(
+            store=store, balancer=ctx.balancer, metrics=ctx.metrics,
+            full_read_every=max(telemetry.interval, telemetry.stale_after / 2 - telemetry.interval))
         tasks.append(asyncio.create_task(
             run_feed(feed, interval=telemetry.interval, wake=wake, before_refresh=before_refresh,
                      on_round=ctx.telemetry_round_done, metrics=ctx.metrics),

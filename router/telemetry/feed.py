@@ -6,7 +6,7 @@ Two stores with one interface (`read(ids) -> {id: hash fields}`), both holding `
   and PUBLISHes the endpoint's id; every router replica reads, with one pipelined HGETALL each, the records
   announced since its last round (and new endpoints'). Refreshes happen every `interval` and early when an
   announcement arrives. Pub/sub is lossy, so a round reads every record when the announcements cannot be
-  trusted (the first round, after the subscription or Redis broke) and every `full_read_every` seconds.
+  trusted (the first round, after the subscription or Redis broke) and once `full_read_every` seconds have passed.
 - `MemoryStore` + `EmbeddedCollection`: with no Redis configured (`fleetroute demo`, local runs) the router
   collects the records itself, scraping each engine's `/metrics` (and a simulator's `/sim/gpu` with
   `gpuSource: sim`), through the same collector code the agent uses.
@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 from redis.asyncio.cluster import RedisCluster
@@ -91,6 +91,10 @@ class MemoryStore:
             self._records.pop(endpoint_id, None)
 
 
+class _Silent(Exception):
+    """The subscription answered nothing, not even a ping, for two silence periods."""
+
+
 class RedisStore:
     """Reads each endpoint's hash (HGETALL, pipelined; on a Redis Cluster the pipeline is split by node).
     The client comes from router.runtime.redis_client.connect: binary, so `admit_record` sees the bytes and bounds
@@ -133,7 +137,11 @@ class RedisStore:
     async def listen(self, wake: asyncio.Event, retry_after: float, metrics: RouterMetrics) -> None:
         """Note each endpoint an agent announces (the message is its id) and set `wake`; reconnect after
         failures. A message is only a hint of which key to read: what is read is admitted like any record,
-        and an id that is no endpoint's is never read (`TelemetryFeed.refresh` intersects with members)."""
+        and an id that is no endpoint's is never read (`TelemetryFeed.refresh` intersects with members).
+
+        A connection that hangs (a dead node, a partition: no error, no close) would lose announcements
+        silently, so after `retry_after` without a message the subscription is pinged, and one that has not
+        answered by the next `retry_after` is dropped and made again (the next round then reads everything)."""
         while True:
             with contained("telemetry_pubsub", metrics):
                 try:
@@ -141,17 +149,34 @@ class RedisStore:
                         await self.client.initialize()  # its pub/sub picks a node from the slot map
                     async with self.client.pubsub() as pubsub:
                         await pubsub.subscribe(UPDATES_CHANNEL)
-                        async for message in pubsub.listen():
-                            kind = message.get("type")
-                            if kind == "subscribe":
-                                self._gap = True  # messages may have been missed before: the next round reads all
-                            elif kind == "message":
-                                self._announce(message.get("data"))
-                                wake.set()
+                        await self._follow(pubsub, wake, retry_after)
+                except _Silent:
+                    metrics.telemetry_subscription_restarts.labels("silent").inc()
+                    log.warning("telemetry subscription silent past a ping; subscribing again",
+                                extra={"silence_s": 2 * retry_after})
                 except (RedisError, OSError):
-                    pass  # the refresh loop reports Redis outages; here we only retry
+                    metrics.telemetry_subscription_restarts.labels("error").inc()  # outages: the refresh loop says
             self._gap = True
             await asyncio.sleep(retry_after)
+
+    async def _follow(self, pubsub: Any, wake: asyncio.Event, silence: float) -> None:
+        pinged = False
+        while True:
+            message = await pubsub.get_message(timeout=silence)
+            if message is None:
+                if pinged:
+                    raise _Silent
+                async with asyncio.timeout(silence):
+                    await pubsub.ping()
+                pinged = True
+                continue
+            pinged = False
+            kind = message.get("type")
+            if kind == "subscribe":
+                self._gap = True  # messages may have been missed before: the next round reads all
+            elif kind == "message":
+                self._announce(message.get("data"))
+                wake.set()
 
     def _announce(self, data: object) -> None:
         if isinstance(data, bytes) and len(data) <= MAX_VALUE_BYTES and len(self._announced) < MAX_ANNOUNCED:
