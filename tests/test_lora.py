@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import random
+import time
 
 import aiohttp
 import pytest
@@ -14,8 +15,18 @@ import pytest
 from router.config.settings import ConfigError, parse_settings
 from router.model import Telemetry
 from router.routing.policies.lora_affinity import ACTIVE, FREE_SLOT, FULL, UNKNOWN, LoraAffinity, keep_out, tier
+from router.telemetry.feed import admit_record
 from tests.sim_server import MODEL
-from worker.protocol import EngineSample, GpuSample, TelemetryRecord, decode, encode, out_of_range
+from worker.protocol import (
+    MAX_ADAPTER_NAME,
+    MAX_ADAPTERS,
+    EngineSample,
+    GpuSample,
+    TelemetryRecord,
+    decode,
+    encode,
+    out_of_range,
+)
 from worker.sim.cli import apply_vllm_args, lora_module_specs
 from worker.sim.engine import EngineConfig, EngineCore, SimRequest
 from worker.sim.profiles import PROFILES
@@ -161,6 +172,26 @@ def test_the_telemetry_record_carries_the_adapters_and_refuses_absurd_ones() -> 
     assert out_of_range(decode({**fields, "max_lora": "100000"})) is not None
 
 
+def test_a_long_adapter_list_passes_the_routers_trust_boundary_and_the_parser_bounds_it() -> None:
+    # 40 adapters of 30 characters waiting: a field of 1,239 bytes, past the 256 bytes of every other field. The
+    # whole record used to be refused as oversize, taking the engine's load and KV telemetry with it.
+    names = [f"customer-adapter-{i:04d}-abcdefgh" for i in range(40)]
+    page = ('# TYPE vllm:lora_requests_info gauge\n'
+            f'vllm:lora_requests_info{{max_lora="4",running_lora_adapters="{",".join(names[:4])}",'
+            f'waiting_lora_adapters="{",".join(names)}"}} 1.7e+09\n'
+            '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 40\n')
+    sample = parse_vllm_metrics(page)
+    assert sample.lora_waiting == tuple(names) and sample.num_waiting == 40
+    raw = {k.encode(): v.encode() for k, v in encode(TelemetryRecord("e", time.time(), 1, 1.0, "none", GpuSample(),
+                                                                     sample)).items()}
+    record = admit_record("e", raw, wall_now=time.time())
+    assert record.engine.lora_waiting == tuple(names) and record.engine.num_waiting == 40
+    # The parser keeps at most MAX_ADAPTERS names and leaves out any longer than MAX_ADAPTER_NAME.
+    many = ",".join([f"a{i}" for i in range(MAX_ADAPTERS + 10)] + ["x" * (MAX_ADAPTER_NAME + 1)])
+    bounded = parse_vllm_metrics(page.replace(",".join(names), many))
+    assert bounded.lora_waiting == tuple(f"a{i}" for i in range(MAX_ADAPTERS))
+
+
 # ---- the router: affinity ---------------------------------------------------------------------------------
 
 
@@ -261,3 +292,13 @@ async def test_the_router_sends_an_adapter_where_it_is_active_else_to_a_free_slo
     finally:
         for resp in held:
             resp.close()
+
+
+def test_a_step_never_evicts_an_adapter_it_needs() -> None:
+    # Slots [a, b]; the next step runs a and c: c takes b's slot (the least recently used not needed), a stays.
+    e = engine(max_loras=2)
+    e._activate_loras({"a"})
+    e._activate_loras({"b"})
+    loads = e.lora_loads
+    e._activate_loras({"c", "a"})
+    assert e.lora_loads - loads == 1 and set(e._lora_slots) == {"a", "c"}

@@ -41,7 +41,9 @@ Fields (all strings, as Redis stores them; a signal the agent could not read is 
                       before it simply leave it out, and readers that predate it ignore it.
     lora_running_adapters, lora_waiting_adapters
                       LoRA adapters with requests running / waiting, comma-separated (vllm:lora_requests_info,
-                      its newest series); present only for an engine with --enable-lora, "" when none
+                      its newest series); present only for an engine with --enable-lora, "" when none; at most
+                      MAX_ADAPTERS names of at most MAX_ADAPTER_NAME characters (the only fields allowed to be
+                      longer than 256 bytes: ADAPTER_FIELD_BYTES)
     max_lora          the engine's adapter slots (its max_lora label). Optional, as kv_capacity_tokens
 
 The TTL is a few intervals, so a dead agent's record disappears by itself rather than lying. Routers also
@@ -170,8 +172,10 @@ _ENGINE_FIELDS = {
     "max_lora": "max_lora",
 }
 _ADAPTER_FIELDS = {"lora_running", "lora_waiting"}
-MAX_ADAPTERS = 256  # adapter names in one field: more is no engine's state (vLLM's max_loras is far below)
-MAX_ADAPTER_NAME = 256
+MAX_ADAPTERS = 64  # adapter names in one field (vLLM's max_loras is far below; a longer list is cut)
+MAX_ADAPTER_NAME = 128  # characters; a longer name is left out of the list
+ADAPTER_FIELD_BYTES = MAX_ADAPTERS * (MAX_ADAPTER_NAME + 1)  # the size a reader admits for an adapter field
+ADAPTER_FIELD_NAMES = ("lora_running_adapters", "lora_waiting_adapters")
 _INT_FIELDS = {"mem_used_bytes", "mem_total_bytes", "throttle_reasons", "xid_errors", "ecc_uncorrected",
                "retired_pages", "count"}
 

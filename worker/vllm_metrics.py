@@ -28,9 +28,11 @@ prometheus-client's parser: a vLLM page is large (a histogram per latency) and s
 
 from __future__ import annotations
 
+import itertools
+
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.protocol import EngineSample
+from worker.protocol import MAX_ADAPTER_NAME, MAX_ADAPTERS, EngineSample
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
@@ -77,7 +79,10 @@ def kv_capacity_tokens(labels: dict[str, str]) -> int | None:
 
 
 def _adapters(text: str | None) -> tuple[str, ...]:
-    return tuple(name for name in (text or "").split(",") if name)
+    """The names of a label's comma-separated list, bounded as the telemetry record carries them: names longer
+    than MAX_ADAPTER_NAME left out, at most MAX_ADAPTERS kept (an engine with more is reported in part)."""
+    names = (name for name in (text or "").split(",") if name and len(name) <= MAX_ADAPTER_NAME)
+    return tuple(itertools.islice(names, MAX_ADAPTERS))
 
 
 def parse_vllm_metrics(text: str) -> EngineSample:

@@ -38,12 +38,14 @@ from redis.exceptions import RedisError, ResponseError
 from router.config.settings import TelemetrySettings
 from router.model import Endpoint, Telemetry
 from router.routing.balancer import Balancer
-from router.runtime.background import contained
+from router.runtime.background import contained, raise_if_cancelled
 from router.runtime.metrics import RouterMetrics
 from router.runtime.redis_client import RedisClient
 from router.runtime.redis_input import MAX_CLOCK_SKEW, Rejected, RejectionLog, text
 from worker.collect import EngineCollector, SimGpuSampler
 from worker.protocol import (
+    ADAPTER_FIELD_BYTES,
+    ADAPTER_FIELD_NAMES,
     FIELD_NAMES,
     UPDATES_CHANNEL,
     SchemaMismatch,
@@ -58,6 +60,7 @@ log = logging.getLogger("fleetroute.telemetry")
 
 MAX_VALUE_BYTES = 256  # per field; numbers need ~25, an endpoint id at most 253 (a DNS name)
 MAX_FIELDS = 2 * len(FIELD_NAMES)  # room for fields a newer agent adds within the schema version
+_LONG_FIELDS = {name.encode(): ADAPTER_FIELD_BYTES for name in ADAPTER_FIELD_NAMES}
 MAX_ANNOUNCED = 100_000  # endpoint ids noted between two rounds; beyond, the next round reads every record
 # A record as a store returns it: field -> raw value, or the error Redis answered for the key (WRONGTYPE).
 RawRecord = Mapping[bytes, bytes] | ResponseError
@@ -156,21 +159,37 @@ class RedisStore:
                                 extra={"silence_s": 2 * retry_after})
                 except (RedisError, OSError):
                     metrics.telemetry_subscription_restarts.labels("error").inc()  # outages: the refresh loop says
+            raise_if_cancelled()
             self._gap = True
             await asyncio.sleep(retry_after)
 
     async def _follow(self, pubsub: Any, wake: asyncio.Event, silence: float) -> None:
-        pinged = False
-        while True:
-            message = await pubsub.get_message(timeout=silence)
-            if message is None:
-                if pinged:
+        """Read the subscription (a blocking read of its own) and watch it: after `silence` with nothing heard it
+        is pinged, and after another `silence` still with nothing (not even the pong) it is given up."""
+        heard = [0]
+        reader = asyncio.create_task(self._read(pubsub, wake, heard))
+        try:
+            seen, pinged = heard[0], False
+            while True:
+                raise_if_cancelled()
+                await asyncio.wait({reader}, timeout=silence)
+                if reader.done():
+                    reader.result()  # its error ends the subscription
+                    return
+                if heard[0] != seen:  # a message, or the pong of the last ping (counted against the count before it)
+                    seen, pinged = heard[0], False
+                elif pinged:
                     raise _Silent
-                async with asyncio.timeout(silence):
-                    await pubsub.ping()
-                pinged = True
-                continue
-            pinged = False
+                else:
+                    await asyncio.wait_for(pubsub.ping(), silence)
+                    pinged = True
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    async def _read(self, pubsub: Any, wake: asyncio.Event, heard: list[int]) -> None:
+        async for message in pubsub.listen():
+            heard[0] += 1
             kind = message.get("type")
             if kind == "subscribe":
                 self._gap = True  # messages may have been missed before: the next round reads all
@@ -215,9 +234,9 @@ def admit_record(endpoint_id: str, raw: RawRecord, *, wall_now: float) -> Teleme
 
 
 def _texts(raw: Mapping[bytes, bytes]) -> dict[str, str]:
-    """Every field name and value as printable UTF-8 of at most MAX_VALUE_BYTES, sizes checked before
-    anything is decoded (router.runtime.redis_input.text, with a fast path for the printable ASCII agents write:
-    this runs for every field of every endpoint every refresh)."""
+    """Every field name and value as printable UTF-8 of at most MAX_VALUE_BYTES (the adapter lists: more), sizes
+    checked before anything is decoded (router.runtime.redis_input.text, with a fast path for the printable
+    ASCII agents write: this runs for every field of every endpoint every refresh)."""
     if len(raw) > MAX_FIELDS:
         raise Rejected("oversize", f"the record has {len(raw)} fields, at most {MAX_FIELDS} expected")
     longest = max(max(map(len, raw.values()), default=0), max(map(len, raw), default=0))
@@ -229,9 +248,10 @@ def _texts(raw: Mapping[bytes, bytes]) -> dict[str, str]:
         else:
             if all(map(str.isprintable, fields.values())) and all(map(str.isprintable, fields)):
                 return fields
-    # Not all printable ASCII: the general check says what is wrong, or admits printable UTF-8.
-    return {text(name, max_bytes=MAX_VALUE_BYTES, what="a field name"): text(value, max_bytes=MAX_VALUE_BYTES,
-                                                                              what=name.decode("utf-8", "replace"))
+    # Not all printable ASCII, or a long value: the general check says what is wrong, or admits printable UTF-8.
+    # Only the LoRA adapter lists may be longer than MAX_VALUE_BYTES (worker/protocol.py ADAPTER_FIELD_BYTES).
+    return {text(name, max_bytes=MAX_VALUE_BYTES, what="a field name"): text(
+                value, max_bytes=_LONG_FIELDS.get(name, MAX_VALUE_BYTES), what=name.decode("utf-8", "replace"))
             for name, value in raw.items()}
 
 

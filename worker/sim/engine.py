@@ -348,20 +348,20 @@ class EngineCore:
         return True
 
     def _activate_loras(self, wanted: set[str | None]) -> float:
-        """Put the step's adapters in GPU slots; the time it takes to load those that were not there."""
-        loaded = 0
-        for name in wanted:
-            if name is None:
-                continue
+        """Put the step's adapters in GPU slots; the time it takes to load those that were not there. The step's
+        adapters already in a slot are marked used first, so loading another never evicts one the step needs;
+        the rest load in name order (a seeded run does not depend on set order)."""
+        needed = sorted(name for name in wanted if name is not None)
+        for name in needed:
             if name in self._lora_slots:
                 self._lora_slots.move_to_end(name)
-                continue
+        missing = [name for name in needed if name not in self._lora_slots]
+        for name in missing:
             if len(self._lora_slots) >= self.config.max_loras:
-                self._lora_slots.popitem(last=False)
+                self._lora_slots.popitem(last=False)  # least recently used: never one of this step's
             self._lora_slots[name] = None
-            loaded += 1
-        self.lora_loads += loaded
-        return loaded * self.config.lora_load_s
+        self.lora_loads += len(missing)
+        return len(missing) * self.config.lora_load_s
 
     def _release(self, req: SimRequest) -> None:
         self._kv.free(req._blocks)
