@@ -75,6 +75,7 @@ class Attempts:
         self.tried: frozenset[str] = frozenset()  # endpoints that failed this request
         self.denied: frozenset[str] = frozenset()  # endpoints whose half-open breaker had no probe slot free
         self.failure: UpstreamFailed | None = None
+        self.budget_refused = False  # the retry budget refused a retry after the current attempt
         self.picks = 0
         self.loop = asyncio.get_running_loop()
         # Deadlines are on the loop's clock (asyncio timeouts use it); `started` is on perf_counter.
@@ -149,7 +150,7 @@ class Attempts:
             and (deadline is None or self.loop.time() < deadline - 2 * MIN_ATTEMPT_SECONDS)
         )
         if retryable and not ctx.retry_budget.allows(retries.budget_percent, retries.min_per_second):
-            ctx.metrics.retry_budget_exhausted.labels(self.req.model).inc()
+            self.budget_refused = True  # counted if this attempt fails and is answered (`_send`)
             return False  # a failure of this attempt will be answered, not retried
         return retryable
 
@@ -158,6 +159,7 @@ class Attempts:
         ctx, req, served, spec = self.ctx, self.req, self.served, self.spec
         served.attempts = len(self.tried) + 1
         served.endpoint = view.id
+        self.budget_refused = False
         retryable = self._retryable(view)
         record.outcome = "sent"
         served.counter = OutputCounter() if served.estimate is not None and served.estimate.learns else None
@@ -190,6 +192,8 @@ class Attempts:
         if outcome.error == "client_disconnect":  # the client leaving says nothing about the endpoint
             return outcome.response, False
         bad = failed(outcome.status, outcome.error)
+        if bad and self.budget_refused:  # a failure answered because the retry budget allowed no retry
+            ctx.metrics.retry_budget_exhausted.labels(req.model).inc()
         ctx.balancer.report_outcome(spec, req.model, view.id, not bad, outcome.error or "http_5xx", probe=probe)
         return outcome.response, True
 
