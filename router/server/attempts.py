@@ -31,10 +31,10 @@ from router.runtime.errors import error_response
 from router.server.explain import Attempt, Decision
 from router.server.proxy import UpstreamFailed, UpstreamRescued
 from router.server.route import Described, Pin, choose, failed, no_endpoint
+from router.server.served import Served
 
 if TYPE_CHECKING:
     from router.server.context import RouterContext
-    from router.server.handlers import Served
     from router.traffic.admission import Pool
 
 # Below this much time left before `timeouts.total`, no new attempt is started.

@@ -12,7 +12,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -43,8 +43,14 @@ from router.traffic.retry_budget import RetryBudget
 if TYPE_CHECKING:  # imported only when Kubernetes discovery is configured (the client is heavy to import)
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from router.kube.control.routing_policies import RoutingPolicyController
     from router.kube.discovery.kubernetes import KubernetesDiscovery
+
+
+class PolicyControl(Protocol):
+    """What the context needs of the RoutingPolicy controller (router/kube/control/routing_policies.py), which
+    is handed this context: a reload's policies become the base its RoutingPolicies merge onto."""
+
+    def rebase(self, new: Settings) -> Settings: ...
 
 
 @dataclass
@@ -72,7 +78,7 @@ class RouterContext:
     telemetry_collection: EmbeddedCollection | None = None  # the router's own scrapes, without Redis
     health_tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # active probes per policy
     discovery: KubernetesDiscovery | None = None  # while Kubernetes discovery runs (app start-up to shutdown)
-    control: RoutingPolicyController | None = None  # while RoutingPolicies are watched (router.kube.control)
+    control: PolicyControl | None = None  # while RoutingPolicies are watched (router.kube.control)
     retry_budget: RetryBudget = field(init=False)
     # requests in flight per endpoint, their progress (router/server/rescue.py)
     stalls: StallDetector = field(init=False)

@@ -20,7 +20,6 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -28,16 +27,13 @@ from aiohttp import web
 
 from router.config.redaction import redact_url
 from router.model import EndpointState
-from router.routing.aliases import Choice
-from router.routing.cost import CostEstimate, CostSettings, relative_error
-from router.routing.output_tokens import OutputCounter
+from router.routing.cost import relative_error
 from router.runtime.errors import clip, error_response
 from router.server.attempts import Attempts
 from router.server.attempts import Request as AttemptsRequest
 from router.server.connections import ClientConnection
 from router.server.context import CONTEXT, RouterContext
 from router.server.explain import Decision
-from router.server.proxy import Outcome
 from router.server.request_body import BodyRejected, expect_handler, read_body
 from router.server.route import (
     Described,
@@ -49,10 +45,8 @@ from router.server.route import (
     session_pin,
     unknown_model,
 )
-from router.server.tracing import NO_TRACE, RequestTrace
+from router.server.served import Served
 from router.traffic.admission import AdmissionSettings, Pool
-from router.traffic.budgets import Verdict
-from router.traffic.tenants import Tenant
 
 log = logging.getLogger("fleetroute.handlers")
 
@@ -60,38 +54,6 @@ INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # A client's X-Request-Id is kept (it is forwarded, returned and logged) only when it looks like an id: at most
 # 128 characters, none that could break a log line or a header. Anything else is replaced by a generated one.
 REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+=@-]{0,127}$")
-
-
-@dataclass
-class Served:
-    """What became of one inference request, filled in as it progresses (for metrics and the access log)."""
-
-    response: web.StreamResponse | None = None
-    model: str = ""  # a model the fleet serves (metric label: never arbitrary client input)
-    requested_model: str = ""
-    endpoint: str = ""  # the endpoint of the latest attempt
-    outcome: Outcome | None = None  # set once an endpoint answered
-    attempts: int = 0
-    failure: BaseException | None = None  # what interrupted the handler, if anything
-    estimate: CostEstimate | None = None  # policies that estimate request costs (router/routing/cost.py)
-    cost_settings: CostSettings | None = None
-    decision: Decision | None = None  # an explained request's routing record (router/server/explain.py)
-    tenant: Tenant | None = None  # with a `tenancy:` block: the request's tenant (router/traffic/tenants.py)
-    budget: Verdict | None = None  # its budget check, for a budgeted tenant (router/traffic/budgets.py)
-    counter: OutputCounter | None = None  # counts the answer's output tokens (requests with a cost estimate)
-    trace: RequestTrace = NO_TRACE  # its spans, with tracing on (router/server/tracing.py); NO_TRACE does nothing
-    alias: Choice | None = None  # a request for a model alias: its target (router/routing/aliases.py)
-
-    @property
-    def status(self) -> int:
-        # 499 (nginx's "client closed request") when the client left before the end of the answer.
-        if isinstance(self.failure, asyncio.CancelledError):
-            return 499
-        if self.failure is not None:
-            return 500
-        if self.outcome is not None:
-            return 499 if self.outcome.error == "client_disconnect" else self.outcome.status
-        return self.response.status if self.response is not None else 500
 
 
 async def inference(request: web.Request) -> web.StreamResponse:

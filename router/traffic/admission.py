@@ -77,20 +77,35 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aiohttp import web
 
 from router.config.fields import ConfigError, Fields, _show
+from router.model import EndpointView, Snapshot
 from router.routing.loads import LoadTracker
 from router.runtime.errors import error_response
 from router.runtime.metrics import RouterMetrics
 from router.traffic.fair_queue import FairClass
 from router.traffic.tenants import DEFAULT_TENANT, TenancySettings
 
-if TYPE_CHECKING:  # named for checkers only: the config reader imports this module's parser
-    from router.config.settings import PolicySpec
-    from router.routing.balancer import Balancer
+
+class Members(Protocol):
+    """What admission reads of the balancer (router/routing/balancer.py): whether its snapshot changed, and
+    what a model's picker chooses from now. A protocol, not the class: the config reader imports this module's
+    parser, and the balancer imports the config reader."""
+
+    @property
+    def snapshot(self) -> Snapshot: ...
+
+    def candidates(self, model: str) -> tuple[EndpointView, ...]: ...
+
+
+class CappedPolicy(Protocol):
+    """What admission reads of a policy (router/config/settings.py PolicySpec): its admission settings."""
+
+    @property
+    def admission(self) -> AdmissionSettings | None: ...
 
 log = logging.getLogger("fleetroute.admission")
 
@@ -362,7 +377,7 @@ class Admission:
     def __init__(
         self,
         *,
-        balancer: Balancer,
+        balancer: Members,
         loads: LoadTracker,
         metrics: RouterMetrics,
         clock: Callable[[], float] = time.monotonic,
@@ -376,7 +391,7 @@ class Admission:
         self._pools: dict[str, Pool] = {}
         self._busy: set[Pool] = set()  # pools with someone queued: the only ones a release can concern
 
-    def pool(self, spec: PolicySpec, model: str) -> Pool | None:
+    def pool(self, spec: CappedPolicy, model: str) -> Pool | None:
         """The model's admission pool, or None when its policy caps no endpoint (admission is off)."""
         settings = spec.admission
         if settings is None or settings.max_concurrent_per_endpoint is None:
