@@ -17,7 +17,7 @@ second of simulated time): the drain afterwards, when the last long answers deco
 batches, would otherwise dilute every mode's number with a tail that says nothing about its capacity. A
 mode that keeps up shows about the offered load; one that does not shows its capacity. TTFT is first token
 minus arrival (so it includes queueing); ITL pools every inter-token gap of every request.
-docs/benchmarks.md has the latest table.
+docs/benchmarks.md has the committed run's table (docs/results/batching-modes.json).
 """
 
 from __future__ import annotations
@@ -133,6 +133,14 @@ def markdown(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def render_record(record: dict) -> str:
+    """A `--json` run as docs/benchmarks.md shows it: the settings and means it ran with, then the table."""
+    s = record["settings"]
+    return (f"{s['gpu'].upper()} profile, {s['requests']:,} requests per offered rate, seed {s['seed']} "
+            f"(this run's means: {s['mean_prompt']:.0f} prompt and {s['mean_output']:.0f} output tokens); "
+            f"commit {record['machine']['commit']}.\n\n" + markdown([Result(**r) for r in record["results"]]) + "\n")
+
+
 def seconds(s: float) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.1f} s"
 
@@ -143,25 +151,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3000, help="requests per offered rate (default 3000)")
     parser.add_argument("--rates", default="2,8,24,48,96", help="offered req/s, comma-separated")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the run (settings, machine, results) as JSON: what loadtest.publish renders")
     args = parser.parse_args(argv)
 
+    from loadtest.router_overhead import machine
+
     results: list[Result] = []
+    settings: dict = {"gpu": args.gpu, "requests": args.requests, "rates": args.rates, "seed": args.seed}
     for label in args.rates.split(","):
         rate = float(label)
         shapes = workload(args.requests, rate, args.seed)
         if not results:
-            mean_in = statistics.mean(s.prompt_len for s in shapes)
-            mean_out = statistics.mean(s.output_len for s in shapes)
+            settings["mean_prompt"] = statistics.mean(s.prompt_len for s in shapes)
+            settings["mean_output"] = statistics.mean(s.output_len for s in shapes)
             print(f"# {args.gpu}, {args.requests} requests per rate, seed {args.seed}: "
-                  f"mean prompt {mean_in:.0f}, mean output {mean_out:.0f} tokens", file=sys.stderr)
+                  f"mean prompt {settings['mean_prompt']:.0f}, mean output {settings['mean_output']:.0f} tokens",
+                  file=sys.stderr)
         for mode in BATCHING_MODES:
             results.append(run_mode(args.gpu, mode, f"{label} req/s", shapes, args.seed))
             print(f"# {results[-1].rate} {mode}: done", file=sys.stderr)
-    print(markdown(results))
+    record = {"settings": settings, "machine": machine(), "results": [asdict(r) for r in results]}
+    print(render_record(record))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump([asdict(r) for r in results], fh, indent=2)
+            json.dump(record, fh, indent=1)
+            fh.write("\n")
     return 0
 
 

@@ -60,6 +60,7 @@ from loadtest.faultproxy import FaultProxy
 from loadtest.host import free_port
 from loadtest.processes import Child, ProcessGroup
 from loadtest.redis_server import RedisServer
+from loadtest.router_overhead import machine
 from loadtest.soak import rss_mib, start_sim
 
 FAULTS = ("netem", "kill", "hang", "5xx", "redis", "kube", "sigterm")
@@ -371,6 +372,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         rows = [tally(w, outcomes, args.slow) for w in windows]
         return {
             "benchmark": "faults", "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "machine": machine(),
             "settings": {"rate": args.rate, "hold_s": args.hold, "settle_s": args.settle, "warmup_s": args.warmup,
                          "slow_s": args.slow, "time_scale": args.time_scale, "replicas": 3, "routers": 2,
                          "router_config": config},

@@ -6,8 +6,10 @@
 The scenario's own fleetroute policies run, plus any `--policy` (or only those, with `--only`). Each seed
 draws new arrivals and requests; every policy gets the same ones per seed. It prints, per
 policy, P50 and P99 TTFT for each seed, the median P99, and the measured prefix-cache hit rate, as a
-Markdown table (`--markdown PATH` writes it too). Seconds per policy and seed instead of minutes: use it
-to explore, then confirm with `fleetroute loadtest --scenario`.
+Markdown table (`--markdown PATH` writes it too; `--json PATH` writes the run: its settings, every
+policy's per-seed numbers, the machine and commit, which `python -m loadtest.publish` renders into
+docs/benchmarks.md). Seconds per policy and seed instead of minutes: use it to explore, then confirm with
+`fleetroute loadtest --scenario`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +90,16 @@ def run(scenario_path: str, fraction: float, seeds: int, policies: list[str],
     return results
 
 
+def title(record: dict[str, Any]) -> str:
+    return (f"Virtual-time lab: `{record['scenario']}` at {record['fraction']:g} of the modelled capacity, "
+            f"seeds 1-{record['seeds']}" + (f"; commit {record['machine']['commit']}" if "machine" in record else ""))
+
+
+def render_record(record: dict[str, Any]) -> str:
+    """A `--json` run as the Markdown table docs/benchmarks.md shows."""
+    return render(record["results"], title(record))
+
+
 def render(results: dict[str, list[dict[str, float]]], title: str) -> str:
     lines = [title, "", "| policy | TTFT p50 per seed (ms) | TTFT p99 per seed (ms) | median p99 "
              "| prefix-cache hits |", "|---|---|---|---|---|"]
@@ -109,14 +122,22 @@ def main(argv: list[str] | None = None) -> int:
                         '"<block>": {...}} (repeat)')
     p.add_argument("--only", action="store_true", help="only the --policy ones, not the scenario's")
     p.add_argument("--markdown", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", help="write the run (settings, results, machine, commit) as JSON")
     args = p.parse_args(argv)
+    from loadtest.router_overhead import machine
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     results = run(args.scenario, args.fraction, args.seeds, args.policy, with_scenario_policies=not args.only)
-    title = (f"Virtual-time lab: `{Path(args.scenario).stem}` at {args.fraction:g} of the modelled capacity, "
-             f"seeds 1-{args.seeds}")
-    text = render(results, title)
+    record = {"scenario": Path(args.scenario).stem, "fraction": args.fraction, "seeds": args.seeds,
+              "policies": args.policy, "only": args.only, "started_utc": started, "machine": machine(),
+              "results": results}
+    text = render_record(record)
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
 

@@ -1,17 +1,18 @@
-"""Fill docs/benchmarks.md's measured tables from the benchmark results, so no number there is typed by hand.
+"""Fill docs/benchmarks.md's measured tables from the committed benchmark results, so no number there is typed
+by hand and every one can be re-rendered and checked.
 
-    python -m loadtest.publish        # after loadtest/benchmarks.sh; reads loadtest/results/bench/
+    python -m loadtest.publish        # after loadtest/benchmarks.sh; reads docs/results/
 
 The document holds the prose; each measured block sits between two markers and is replaced whole:
 
     <!-- generated:seed-table -->  ...  <!-- /generated -->
 
-Names: a scenario's (its report and plots, the PNGs copied to docs/img/), `lab:<file stem>` (a lab table),
-`overhead` (the router-overhead comparison with the peers: the newest `<results>/overhead/` run, else
-docs/results/overhead.json), `scale` (the scale benchmark's tables and plots), `streams`, `faults` and
-`tenants` (the JSON of loadtest/streams.py, faults.py and tenants.py: `<results>/<name>/<name>.json`, else the
-run committed as docs/results/<name>.json), `telemetry-deltas` (docs/results/telemetry-deltas/*.json). A
-block whose results are missing is left as it is, and said so.
+Each block renders from one result under docs/results/ (`results_path`): a scenario's summary
+(`scenarios/<name>.json`, the `summary.json` of `fleetroute loadtest`; its report and plots, the PNGs
+written to docs/img/), `lab:<stem>` (`lab/<stem>.json`, a `python -m loadtest.lab --json` run), and
+`overhead`, `scale`, `streams`, `faults`, `tenants`, `batching-modes`, `soak` (`<name>.json`, each
+benchmark's `--json`), `telemetry-deltas` (`telemetry-deltas/*.json`). A block whose results are missing is
+left as it is, named, and the command exits 1.
 """
 
 from __future__ import annotations
@@ -83,58 +84,73 @@ def overhead_table(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def results_path(name: str, results: Path) -> Path:
+    """Where a block's committed results live under `results` (docs/results/ by default)."""
+    if name.startswith("lab:"):
+        return results / "lab" / f"{name[4:]}.json"
+    if name == "telemetry-deltas":
+        return results / name
+    if name in ("overhead", "streams", "faults", "tenants", "scale", "batching-modes", "soak"):
+        return results / f"{name}.json"
+    return results / "scenarios" / f"{name}.json"  # a scenario's summary.json
+
+
 def render(name: str, results: Path, images: Path) -> str | None:
     """The block's new text, or None when its results are not there."""
+    images.mkdir(parents=True, exist_ok=True)
+    path = results_path(name, results)
+    if not path.exists():
+        return None
+    if name == "telemetry-deltas":  # committed A/B runs of the ingestion benchmark
+        from loadtest.scale.report import render_ingest_ab
+
+        runs = [(p.stem, json.loads(p.read_text())) for p in path.glob("*.json")]
+        return render_ingest_ab(sorted(runs, key=lambda run: run[1]["started_utc"])) if runs else None
+    result = json.loads(path.read_text())
     if name.startswith("lab:"):
-        path = results / "lab" / f"{name[4:]}.md"
-        return path.read_text() if path.exists() else None
-    if name == "overhead":  # this machine's latest run, else the one committed in docs/results/
-        found = sorted((results / "overhead").glob("router-overhead-*.json"))
-        path = found[-1] if found else ROOT / "docs" / "results" / "overhead.json"
-        return overhead_table(json.loads(path.read_text())) if path.exists() else None
-    if name in ("streams", "faults", "tenants"):  # a run's JSON: this machine's latest, else the committed one
-        path = next((p for p in (results / name / f"{name}.json", ROOT / "docs" / "results" / f"{name}.json")
-                     if p.exists()), None)
-        if path is None:
-            return None
-        result = json.loads(path.read_text())
-        if name == "faults":
-            from loadtest.faults import table
+        from loadtest.lab import render_record
 
-            return table(result) + f"\nRun {result['started_utc']}; the whole result: `{path.relative_to(ROOT)}`.\n"
-        if name == "tenants":
-            from loadtest import tenants
+        return render_record(result)
+    if name == "overhead":
+        return overhead_table(result)
+    if name == "faults":
+        from loadtest.faults import table
 
-            plot = tenants.write_plot(result, images)
-            return tenants.render_markdown(result) + f"\n![{plot.stem}](img/{plot.name})\n"
+        commit = f", commit {result['machine']['commit']}" if "machine" in result else ""
+        return table(result) + f"\nRun {result['started_utc']}{commit}; the whole result: `{_shown(path)}`.\n"
+    if name == "tenants":
+        from loadtest import tenants
+
+        plot = tenants.write_plot(result, images)
+        return tenants.render_markdown(result) + f"\n![{plot.stem}](img/{plot.name})\n"
+    if name == "streams":
         from loadtest.streams import render_markdown, write_plot
 
         plot = write_plot(result, images)
         return render_markdown(result) + f"\n![{plot.stem}](img/{plot.name})\n"
-    if name == "telemetry-deltas":  # committed A/B runs of the ingestion benchmark
-        from loadtest.scale.report import render_ingest_ab
+    if name == "batching-modes":
+        from loadtest.batching_modes import render_record as batching_markdown
 
-        runs = [(p.stem, json.loads(p.read_text())) for p in (ROOT / "docs" / "results" / name).glob("*.json")]
-        return render_ingest_ab(sorted(runs, key=lambda run: run[1]["started_utc"])) if runs else None
+        return batching_markdown(result)
+    if name == "soak":
+        from loadtest.soak import render_markdown as soak_markdown
+
+        return soak_markdown(result)
     if name == "scale":
         from loadtest.scale.report import render_markdown, write_plots
 
-        path = results / "scale" / "scale.json"
-        if not path.exists():
-            return None
-        result = json.loads(path.read_text())
         plots = write_plots(result, images)
         text = render_markdown(result)
         return text + "\n" + "\n".join(f"![{p.stem}](img/{p.name})" for p in plots) + "\n"
-    path = results / name / "results.json"
-    if not path.exists():
-        return None
     from loadtest.plots import write_plots as scenario_plots
     from loadtest.report import render_markdown as scenario_markdown
 
-    result = json.loads(path.read_text())
     plots = scenario_plots(result, images)
     return scenario_markdown(result, images=[f"img/{p.name}" for p in plots])
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def publish(doc: Path, results: Path, images: Path) -> list[str]:
@@ -157,13 +173,15 @@ def publish(doc: Path, results: Path, images: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.publish", description=__doc__.split("\n\n")[0])
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
-    p.add_argument("--results", type=Path, default=ROOT / "loadtest" / "results" / "bench")
+    p.add_argument("--results", type=Path, default=ROOT / "docs" / "results",
+                   help="the committed results (default docs/results/)")
     p.add_argument("--images", type=Path, default=ROOT / "docs" / "img")
     args = p.parse_args(argv)
     missing = publish(args.doc, args.results, args.images)
     for name in missing:
-        print(f"no results for block {name!r}: left as it was", file=sys.stderr)
-    return 0
+        print(f"no results for block {name!r} (expected {_shown(results_path(name, args.results))}): "
+              "left as it was", file=sys.stderr)
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":

@@ -150,9 +150,31 @@ class ScenarioResults:
         return {**dataclasses.asdict(self), "runs": [dataclasses.asdict(r) for r in self.runs]}
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1, default=str))
-        tmp.replace(path)
+        """`path` (results.json: every request's TTFT) and summary.json beside it: what `loadtest.publish`
+        renders, small enough to commit as docs/results/scenarios/<scenario>.json."""
+        data = self.to_json()
+        for target, text in ((path, json.dumps(data, indent=1, default=str)),
+                             (path.with_name("summary.json"), json.dumps(compact(data), separators=(",", ":"),
+                                                                          default=str))):
+            tmp = target.with_suffix(".tmp")
+            tmp.write_text(text + "\n")
+            tmp.replace(target)
+
+
+CDF_POINTS = 500  # TTFT order statistics a summary keeps per run: enough for the CDF plot
+
+
+def compact(data: dict[str, Any]) -> dict[str, Any]:
+    """A run's results without its per-request data: each run's TTFTs thinned to every `stride`-th order
+    statistic (the CDF plot reads the stride)."""
+    out = dict(data)
+    runs = []
+    for run in data["runs"]:
+        values = sorted(run["ttft"])
+        stride = max(1, -(-len(values) // CDF_POINTS))
+        runs.append({**run, "ttft": [round(v, 5) for v in values[stride - 1::stride]], "ttft_stride": stride})
+    out["runs"] = runs
+    return out
 
 
 def describe(scenario: Scenario) -> dict[str, Any]:

@@ -97,6 +97,9 @@ def classify(results: list[Result]) -> dict[str, int]:
 
 
 async def soak(args: argparse.Namespace) -> dict:
+    from loadtest.router_overhead import machine
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     group = ProcessGroup()
     rng = random.Random(args.seed)
     fault_log: list[dict] = []
@@ -149,13 +152,41 @@ async def soak(args: argparse.Namespace) -> dict:
         budget = total("fleetroute_retry_budget_exhausted_total{")
         upstream = {kind: total("fleetroute_upstream_errors_total{", f'kind="{kind}"')
                     for kind in ("connect", "connect_timeout", "timeout", "http_5xx", "idle_timeout", "disconnect")}
-        return {"duration_s": args.duration, "replicas": args.replicas, "rate": args.rate,
+        return {"started_utc": started, "machine": machine(), "seed": args.seed, "fault_every_s": args.fault_every,
+                "duration_s": args.duration, "replicas": args.replicas, "rate": args.rate,
                 "faults_injected": Counter(f["fault"] for f in fault_log), "requests": classify(results),
                 "router_retries": retries, "router_retry_budget_exhausted": budget,
                 "router_ejections": ejections, "router_upstream_errors": upstream,
                 "router_rss_mib": {"start": round(rss_start, 1), "end": round(rss_end, 1)}}
     finally:
         await group.stop_all()
+
+
+def render_markdown(report: dict) -> str:
+    """A `--json` run as docs/benchmarks.md's table."""
+    req, faults = report["requests"], report["faults_injected"]
+    names = {"kill": "kills", "errors": "error bursts", "hang": "hangs", "stall": "stalls", "slow": "slowdowns",
+             "unhealthy": "failed health checks"}
+    sent, ok = req.get("sent", 0), req.get("succeeded", 0)
+    rss = report["router_rss_mib"]
+    rows = [
+        ("requests sent", f"{sent:,}"),
+        ("succeeded", f"{ok:,} ({ok / max(1, sent):.1%})"),
+        ("failed before any byte reached the client (a router could have retried)",
+         f"**{req.get('failed_retryable', 0):,}**"),
+        ("failed mid-stream (a stalled or killed replica after tokens were delivered; ended with an error event, "
+         "never retried)", f"{req.get('failed_midstream', 0):,}"),
+        ("faults injected", ", ".join(f"{faults[f]} {names[f]}" for f in FAULTS if faults.get(f))),
+        ("retries made by the router / refused by the retry budget",
+         f"{report['router_retries']:,.0f} / {report['router_retry_budget_exhausted']:,.0f}"),
+        ("outlier ejections", f"{report['router_ejections']:,.0f}"),
+        ("router RSS at start / end", f"{rss['start']} MiB / {rss['end']} MiB"),
+    ]
+    m = report["machine"]
+    head = (f"One run ({report['started_utc']}, {report['duration_s']:g} s at {report['rate']:g} requests/s, "
+            f"{report['replicas']} replicas, a fault every {report['fault_every_s']:g} s, seed {report['seed']}; "
+            f"{m.get('nproc')} CPUs, commit {m.get('commit')}):")
+    return "\n".join([head, "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]) + "\n"
 
 
 def main() -> None:

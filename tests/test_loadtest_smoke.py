@@ -56,6 +56,9 @@ def test_the_smoke_scenario_runs_every_policy_at_every_point_and_writes_a_report
     # The report can be redrawn from the results alone.
     again = fleetroute("loadtest", "--render", str(out / "results.json"), "--out", str(tmp_path / "re"), timeout=60)
     assert again.returncode == 0 and (tmp_path / "re" / "report.md").read_text() == report
+    # And from the small summary.json (what docs/results/scenarios/ commits): the same report.
+    again = fleetroute("loadtest", "--render", str(out / "summary.json"), "--out", str(tmp_path / "re2"), timeout=60)
+    assert again.returncode == 0 and (tmp_path / "re2" / "report.md").read_text() == report
 
 
 def test_a_bad_scenario_file_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.batching_modes import main, percentile
+from loadtest.batching_modes import main, percentile, render_record
 
 
 def test_percentile_interpolates_between_ranks() -> None:
@@ -22,8 +22,10 @@ def test_continuous_batching_out_serves_dynamic_and_static_under_overload(
     out = tmp_path / "results.json"
     assert main(["--requests", "300", "--rates", "2,96", "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    assert table.startswith("| offered rate | mode |")
-    results = {(r["rate"], r["mode"]): r for r in json.loads(out.read_text())}
+    assert "| offered rate | mode |" in table
+    record = json.loads(out.read_text())
+    assert render_record(record) in table  # what publish renders is what the run printed
+    results = {(r["rate"], r["mode"]): r for r in record["results"]}
     assert len(results) == 6
     # Light load: every mode keeps up, so throughput is the offered load; only waiting differs.
     light = [results["2 req/s", m]["req_s"] for m in ("continuous", "dynamic", "static")]
