@@ -161,12 +161,18 @@ def print_summaries(summaries: list[dict[str, Any]], closed: bool) -> None:
               f"{ms_text(s['e2e']['p99']):>9}  {errors}")
 
 
+LIVE_REPLICAS = 64  # simulated engines, agents and their ports on one machine
+
+
 async def run_scenario_file(args: argparse.Namespace) -> Path:
     from loadtest.report import write_report
     from loadtest.runner import run_scenario
     from loadtest.scenario import load_scenario, with_gateway
 
     scenario = load_scenario(args.scenario)
+    if (replicas := len(scenario.fleet.replica_ids())) > LIVE_REPLICAS:
+        raise ConfigError("fleet.replicas", f"{replicas} replicas: a live run starts a process per replica and "
+                          f"takes at most {LIVE_REPLICAS} (the policy lab, python -m loadtest.lab, takes more)")
     scenario = dataclasses.replace(scenario, policies=with_gateway(scenario.policies, args.gateway))
     only = [p.strip() for p in args.policies.split(",")] if args.policies else None
     known = [e.label for e in scenario.policies]

@@ -213,7 +213,7 @@ def _fleet(f: Fields) -> FleetSpec:
             profile(gpu)
         except ValueError as exc:
             raise ConfigError(g.at("gpu"), str(exc)) from None
-        groups.append(ReplicaGroup(gpu, g.integer("count", 1, minimum=1, maximum=64),
+        groups.append(ReplicaGroup(gpu, g.integer("count", 1, minimum=1, maximum=1000),
                                    g.number("weight", 1.0, minimum=0.0, maximum=1000.0, exclusive_minimum=True)))
         g.done()
     if not f.has("replicas"):

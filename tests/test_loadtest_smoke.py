@@ -70,6 +70,14 @@ def test_a_bad_scenario_file_is_a_clear_error_not_a_traceback(tmp_path: Path) ->
     assert "slo.ttft: must be a positive duration" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_live_run_of_more_replicas_than_one_machine_holds_is_refused_before_it_starts(tmp_path: Path) -> None:
+    done = fleetroute("loadtest", "--scenario", "loadtest/scenarios/lab-1000.yaml", "--out", str(tmp_path),
+                      timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "1000 replicas: a live run starts a process per replica and takes at most 64" in done.stderr
+    assert not any(tmp_path.iterdir())
+
+
 def url_args(url: str, **overrides: object) -> argparse.Namespace:
     args = dict(url=url, model="sim-model", workload="{kind: chat, outputMedian: 8, outputMax: 16, promptMedian: 30}",
                 arrivals="{process: poisson}", rates="40", concurrency=None, requests=12, timeout="30s",
