@@ -146,7 +146,7 @@ def test_prefix_affinity_softens_with_load_instead_of_switching_off() -> None:
         wins.append(picker.pick(req(body=body), loads, frozenset()).id)
         state.record("a", block_hashes(body, 64, 64))  # keep a the only holder of the prefix
         for other in ("b", "c"):
-            state.by_endpoint.pop(other, None)
+            state.forget_endpoints(frozenset({other}))
     assert wins[0] == "a" and wins[1] == "a"  # affinity under balance
     assert "a" not in wins[-4:]  # given up once a carries far more than the others
     assert wins.index(next(w for w in wins if w != "a")) > 1

@@ -82,6 +82,11 @@ async def test_a_prefix_routed_through_one_router_is_found_by_another(make_engin
     assert sample(b, "fleetroute_prefix_shared_blocks_total", outcome="received") > 0
     assert sample(a, "fleetroute_prefix_shared_blocks_total", outcome="received") == 0  # its own entries skipped
     assert sample(b, "fleetroute_prefix_sharing_up") == 1
+    # B's inverted index holds every distinct block it learnt from A and routed itself, and its gauge says so.
+    index_b = b.ctx.balancer._pool_state[(name, MODEL)]
+    held = {h for blocks in index_b.by_endpoint.values() for h in blocks}
+    await b.ctx.prefix_upkeep.round()
+    assert sample(b, "fleetroute_prefix_index_distinct_blocks", policy=name, model=MODEL) == len(held) > 0
 
 
 async def test_entries_older_than_the_ttl_are_not_applied_and_are_trimmed(make_engine, make_router, http,

@@ -49,6 +49,7 @@ from worker.protocol import decode, encode
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "consistent-hash (maxLoadFactor 1.25)": ("consistent-hash", {"maxLoadFactor": 1.25}),
     "adaptive (choices all)": ("adaptive", {"choices": "all"}),
+    "prefix-aware (least-prefill)": ("prefix-aware", {"selection": "least-prefill"}),
     "composite (prefix 0.5, load 0.3, memory 0.2)": ("composite", {"scorers": {"prefix": 0.5, "load": 0.3,
                                                                               "memory": 0.2}}),
 }

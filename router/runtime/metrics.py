@@ -639,6 +639,14 @@ class RouterMetrics:
             multiprocess_mode="max",
             registry=r,
         )
+        self.prefix_index_distinct = Gauge(
+            "fleetroute_prefix_index_distinct_blocks",
+            "Distinct prompt blocks in a pool's prefix index: the entries of its inverted index (block -> the "
+            "endpoints holding it), at most the sum of fleetroute_prefix_index_blocks over the pool.",
+            ["policy", "model"],
+            multiprocess_mode="max",
+            registry=r,
+        )
         self.prefix_index_bound = Gauge(
             "fleetroute_prefix_index_bound_blocks",
             "The prefix index's LRU bound per endpoint: maxBlocksPerEndpoint (auto: the engine's KV capacity in "

@@ -67,8 +67,12 @@ endpoint's estimated-hit counters. Style rule 1 says pickers never mutate routin
 observation of where traffic went, like the `LoadView`'s in-flight counts, not a routing structure a rebuild
 would replace. Pickers never do I/O and read no clock: Redis and tuning run in the background.
 
-Cost per pick: O(prompt pieces) rendering, O(blocks) hashing, O(endpoints x matched blocks) lookups,
-O(endpoints) for the guards, O(blocks) recording.
+Cost per pick: O(prompt pieces) rendering, O(blocks) hashing, O(blocks x holders) matching (the index's
+inverted table: only the endpoints holding the prompt's first blocks are visited), O(blocks) recording. An
+unexplained longest-match pick reads the least loaded and the guards' minimum, count and sum from the
+pool's in-flight index (router/routing/policies/load_index.py), so nothing in it scans the pool
+(`_indexed_pool` says when that index sees exactly the loads compared here); otherwise, and for
+least-prefill (each candidate's own queued prefill and speed), one pass over the candidates.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -89,13 +93,16 @@ from router.routing.policies.base import (
     LoadView,
     PolicyConfigError,
     Sentence,
+    capacity_scale,
     fmt,
     integer_param,
     listed,
     number_param,
+    pool_index,
     reject_unknown,
     scaled_load,
 )
+from router.routing.policies.load_index import LoadIndex
 from router.routing.prefix.index import FALLBACK_BLOCKS, MIN_BLOCKS, PrefixIndex
 from router.routing.prefix.kv_block_index import KVBlockIndex, chain_keys, request_token_ids
 from router.routing.prefix.prompt import prompt_length, prompt_pieces
@@ -104,6 +111,9 @@ from router.routing.prefix.tuning import TuningConfig
 CHARS_PER_TOKEN = 4  # English text in Llama-3-class BPE vocabularies; sizing only, so a rough figure
 SELECTIONS = ("longest-match", "least-prefill")
 INDEXES = ("approximate", "precise")
+# More holders of a prompt's longest match than this: first ask whether the whole pool holds it (one set
+# intersection) before comparing the holders' loads one by one.
+WHOLE_POOL_CHECK = 32
 MAX_AUTO_BLOCKS = 1 << 20  # ~150 MB per endpoint: the most `auto` sizes an index to, whatever the engine says
 
 
@@ -234,9 +244,16 @@ class GuardLimits:
         if c.sigma_k is not None:
             mean = total / n
             sigma = mean + c.sigma_k * math.sqrt(sum((x - mean) ** 2 for x in load.values()) / n)
+        return cls.of_stats(n, total, min(load.values()), c, sigma=sigma)
+
+    @classmethod
+    def of_stats(cls, n: int, total: float, least: float, c: GuardSettings, *,
+                 sigma: float | None = None) -> GuardLimits:
+        """The limits from the loads' count, sum and minimum (what an indexed pick knows without a scan);
+        `sigma` (mean + sigmaK x stddev) only when the caller computed it."""
         return cls(
             in_flight=c.max_in_flight,
-            imbalance_over=min(load.values()) + c.max_imbalance if c.max_imbalance is not None else None,
+            imbalance_over=least + c.max_imbalance if c.max_imbalance is not None else None,
             load_factor=max(1, math.ceil(c.max_load_factor * (total + 1) / n)) if c.max_load_factor is not None
             else None,
             sigma=sigma,
@@ -311,7 +328,8 @@ class Matcher:
     its matched tokens become the same share of the prompt in router blocks. Every other engine, and every
     request whose token ids are unknown, answers from the approximate index."""
 
-    __slots__ = ("_index", "_hashes", "_prompt_chars", "_block_chars", "_engine", "_tokens", "_keys", "sources")
+    __slots__ = ("_index", "_hashes", "_prompt_chars", "_block_chars", "_engine", "_tokens", "_keys", "_table",
+                 "sources")
 
     MAX_KEYS = 4096  # engine blocks keyed per pick: 64k tokens at vLLM's GPU block size of 16
 
@@ -324,28 +342,37 @@ class Matcher:
         engine = index.engine_blocks if config.index == "precise" else None
         self._engine: KVBlockIndex | None = engine
         self._tokens = request_token_ids(body, engine.tokenize) if engine is not None and hashes else None
-        self._keys: dict[int, list[bytes]] = {}
+        self._keys: dict[int, dict[str, int]] = {}  # engine block size -> the KV-event index's holders of the prompt
+        self._table: dict[str, int] | None = None  # the approximate index's holders of the prompt, when first asked
         self.sources: dict[str, str] = {}  # endpoint -> events | approximate (only with index: precise)
+
+    def approximate(self) -> dict[str, int]:
+        """The approximate index's match of every endpoint holding the prompt's first block (one walk of the
+        inverted index; an endpoint absent matches nothing)."""
+        table = self._table
+        if table is None:
+            table = self._table = self._index.holders(self._hashes) if self._hashes else {}
+        return table
 
     def __call__(self, endpoint_id: str) -> int:
         if not self._hashes:
             return 0
         engine = self._engine
         if engine is None:
-            return self._index.matched(endpoint_id, self._hashes)
+            return self.approximate().get(endpoint_id, 0)
         tokens = self._tokens
         if tokens and engine.is_precise(endpoint_id):
             self.sources[endpoint_id] = "events"
             size = engine.block_size(endpoint_id)
             if size is None:  # complete events, none stored yet: it holds nothing
                 return 0
-            keys = self._keys.get(size)
-            if keys is None:
-                keys = self._keys[size] = chain_keys(tokens, size, self.MAX_KEYS)
-            share = engine.matched(endpoint_id, keys) * size / len(tokens)
+            held = self._keys.get(size)
+            if held is None:
+                held = self._keys[size] = engine.matches(chain_keys(tokens, size, self.MAX_KEYS))
+            share = held.get(endpoint_id, 0) * size / len(tokens)
             return min(len(self._hashes), int(share * self._prompt_chars / self._block_chars))
         self.sources[endpoint_id] = "approximate"
-        return self._index.matched(endpoint_id, self._hashes)
+        return self.approximate().get(endpoint_id, 0)
 
     def event(self) -> str | None:
         """index_precise when every candidate matched on events, index_approximate when any did not."""
@@ -363,7 +390,7 @@ class Matcher:
 
 
 class PrefixAwarePicker:
-    __slots__ = ("_views", "_index", "_config", "_rng", "_events")
+    __slots__ = ("_views", "_index", "_config", "_rng", "_events", "_by_id", "_ids", "_unit_scale")
 
     def __init__(
         self,
@@ -378,10 +405,17 @@ class PrefixAwarePicker:
         self._config = config
         self._rng = rng
         self._events = events
+        self._by_id = {v.id: v for v in views}
+        self._ids = frozenset(self._by_id)
+        self._unit_scale = all(capacity_scale(v) == 1.0 for v in views)
 
     def pick(
         self, req: RequestInfo, loads: LoadView, exclude: frozenset[str], trace: DecisionTrace | None = None
     ) -> EndpointView | None:
+        if trace is None and self._config.selection == "longest-match":
+            pool = self._indexed_pool(loads)
+            if pool is not None:
+                return self._pick_indexed(req, loads, exclude, pool)
         candidates = [v for v in self._views if v.id not in exclude] if exclude else list(self._views)
         if not candidates:
             return None
@@ -437,6 +471,95 @@ class PrefixAwarePicker:
         self._index_event(match, trace)
         remember(index, choice.id, hashes, prompt_chars, matched, c.block_chars)
         return choice
+
+    def _indexed_pool(self, loads: LoadView) -> LoadIndex | None:
+        """The pool's in-flight index when an unexplained longest-match pick can use it instead of scanning:
+        the loads it orders are the loads this policy compares (no other replica holds requests in the pool:
+        their counts are not in it), and every configured guard's limit follows from the count, sum and minimum
+        of the loads (not sigmaK's standard deviation; maxLoadFactor's sum only at unit capacity scales, where
+        a load is its in-flight count). Otherwise None: the pick scans."""
+        c = self._config
+        if c.sigma_k is not None or (c.max_load_factor is not None and not self._unit_scale):
+            return None
+        if c.index == "precise" and self._index.engine_blocks is not None:
+            return None  # which engines answer from events is per endpoint: the scan (Matcher) decides
+        if len(self._by_id) != len(self._views):
+            return None
+        pool = pool_index(loads, self._views)
+        if pool is None:
+            return None
+        others = getattr(loads, "others", None)
+        if others is None or pool.cluster_total(others) != pool.total:
+            return None
+        return pool
+
+    def _pick_indexed(self, req: RequestInfo, loads: LoadView, exclude: frozenset[str],
+                      pool: LoadIndex) -> EndpointView | None:
+        """`pick` (longest-match) without a scan of the pool: the endpoints holding the prompt's longest match come
+        from the inverted prefix index, the least loaded and the guards' minimum and sum from the pool's
+        in-flight index. The same choice as the scan (ties broken at random, by other draws)."""
+        c = self._config
+        by_id = self._by_id
+        closed = [e for e in exclude if e in by_id] if exclude else []
+        n = len(by_id) - len(closed)
+        if n <= 0:
+            return None
+        hashes, prompt_chars = prompt_blocks(req.body, c.block_chars, c.max_blocks)
+        index = self._index
+        # Usually the endpoints holding the longest match are candidates: only they are compared. When none
+        # is (excluded, or not serving now), every holder's match is needed.
+        depth, deepest = index.longest(hashes) if hashes else (0, frozenset())
+        least: EndpointView | None = None
+        least_load = 0.0
+        if len(deepest) > WHOLE_POOL_CHECK and len(self._ids & deepest) - sum(e in deepest for e in closed) == n:
+            # Every candidate holds the longest match (a system prompt the whole pool has seen): the best of them
+            # is the least loaded candidate, ties at random, as the scan would tie them.
+            least, least_load, _ = pool.least(exclude, self._rng)
+            best, best_match, best_load = [least] if least is not None else [], depth, least_load
+        else:
+            best, best_match, best_load = self._best([(e, depth) for e in deepest], loads, exclude)
+        if deepest and not best:
+            best, best_match, best_load = self._best(index.holders(hashes).items(), loads, exclude)
+        choice: EndpointView | None
+        if not best or best_match < c.min_match_share * len(hashes):
+            self._events("prefix_short" if best else "prefix_miss")
+            choice = pool.least(exclude, self._rng)[0]
+        else:
+            guard = None
+            if c.max_in_flight is not None or c.max_imbalance is not None or c.max_load_factor is not None:
+                if least is None:
+                    least, least_load, _ = pool.least(exclude, self._rng)
+                total = float(pool.total - sum(pool.count(e) for e in closed)) if c.max_load_factor is not None \
+                    else 0.0
+                guard = GuardLimits.of_stats(n, total, least_load, c).tripped(best_load)
+            if guard is not None:
+                self._events(guard)
+                choice = least
+            else:
+                self._events("prefix_hit")
+                choice = best[0] if len(best) == 1 else self._rng.choice(best)
+        assert choice is not None  # n > 0 endpoints outside `exclude`, so the index has one
+        matched = best_match if choice in best else index.matched(choice.id, hashes)
+        remember(index, choice.id, hashes, prompt_chars, matched, c.block_chars)
+        return choice
+
+    def _best(self, matches: Iterable[tuple[str, int]], loads: LoadView,
+              exclude: frozenset[str]) -> tuple[list[EndpointView], int, float]:
+        """Among (endpoint, match) pairs, the candidates of the longest match, ties to the least load: the scan's
+        `best`, its match and load."""
+        by_id = self._by_id
+        best: list[EndpointView] = []
+        best_match, best_load = 0, 0.0
+        for endpoint_id, m in matches:
+            view = by_id.get(endpoint_id)
+            if view is None or m < best_match or endpoint_id in exclude:
+                continue
+            load = _load(view, loads)
+            if m > best_match or load < best_load:
+                best, best_match, best_load = [view], m, load
+            elif load == best_load:
+                best.append(view)
+        return best, best_match, best_load
 
     def _index_event(self, match: Matcher, trace: DecisionTrace | None) -> None:
         event = match.event()

@@ -20,6 +20,15 @@ clock) when the block was last announced to the other replicas. A block a router
 again once its stamp is older than `refresh_after` (half the sharing TTL), so a replica warming up from the
 shared stream sees every block still in use, without each hot block being re-sent on every request.
 
+The inverted index (`_holders`: block hash -> the endpoint holding it, or a set of those when several do) is kept
+in step with the LRU sets: an entry is added when a block enters an endpoint's set (`record`, `merge`) and
+removed when it leaves (eviction, a lowered bound, `forget_endpoints`). So `holders(hashes)`, every endpoint's
+leading match for a prompt, walks the prompt's blocks and narrows the set of endpoints still matching; it
+costs the prompt's length times the endpoints holding its first blocks, not the pool's size (`longest`, what
+a pick needs, usually less). Memory: one entry per distinct block, ~47 bytes while one endpoint holds it
+(the entry is that endpoint's id), ~260 bytes when several do (a set), measured with tracemalloc; bounded by
+the LRU sets it mirrors.
+
 Safety of mutation on the request path: every pick runs synchronously on the event loop thread, so the
 read (`matched`) and the write (`record`) of one pick never interleave with another's; a lost or stale
 entry costs one cache miss, never a wrong answer.
@@ -35,6 +44,7 @@ FALLBACK_BLOCKS = 32768  # bound while an endpoint's KV capacity is unknown (see
 MIN_BLOCKS = 64  # sizing and tuning never go below this (a bound set explicitly lower is kept)
 OUTBOX_LIMIT = 65536  # blocks waiting to be shared, per pool (~6 MB): beyond, new ones are dropped (counted)
 CHANGES_KEPT = 256
+PROBE_HOLDERS = 16  # `longest` checks a deep block's holders one by one up to this many (see there)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +60,12 @@ class BoundChange:
 class PrefixIndex:
     """Per endpoint, an LRU set of block hashes routed there. Kept by the balancer across rebuilds."""
 
-    __slots__ = ("by_endpoint", "engine_blocks", "now", "refresh_after", "tuning", "changes", "_base", "_factor",
-                 "_bound", "_estimate", "_outbox", "_outbox_size", "_dropped")
+    __slots__ = ("by_endpoint", "_holders", "engine_blocks", "now", "refresh_after", "tuning", "changes", "_base",
+                 "_factor", "_bound", "_estimate", "_outbox", "_outbox_size", "_dropped")
 
     def __init__(self) -> None:
         self.by_endpoint: dict[str, OrderedDict[int, float]] = {}
+        self._holders: dict[int, str | set[str]] = {}  # block hash -> who holds it (the module docstring)
         # The router's KV-event index (router/routing/prefix/kv_block_index.py), set by the upkeep task when KV events
         # are configured: `index: precise` matches on it for the engines that publish.
         self.engine_blocks: Any = None
@@ -84,6 +95,98 @@ class PrefixIndex:
             n += 1
         return n
 
+    def holders(self, hashes: list[int]) -> dict[str, int]:
+        """Every endpoint holding at least the first of `hashes`, with how many leading blocks it holds (what
+        `matched` says for it; endpoints absent hold none). Cost: the blocks walked times the endpoints still
+        matching at each, never the number of endpoints indexed."""
+        out: dict[str, int] = {}
+        table = self._holders
+        live: set[str] = set()
+        n = 0
+        for h in hashes:
+            held = table.get(h)
+            if held is None:
+                break
+            if not n:
+                live = {held} if isinstance(held, str) else set(held)
+            else:
+                nxt: set[str] = ({held} if held in live else set()) if isinstance(held, str) else live & held
+                if len(nxt) < len(live):
+                    for endpoint_id in live:
+                        if endpoint_id not in nxt:
+                            out[endpoint_id] = n
+                live = nxt
+                if not live:
+                    return out
+            n += 1
+        for endpoint_id in live:
+            out[endpoint_id] = n
+        return out
+
+    def longest(self, hashes: list[int]) -> tuple[int, frozenset[str] | set[str]]:
+        """The longest leading match of `hashes` any endpoint holds, and the endpoints holding it (0 and none
+        when no endpoint holds the first block). Only set intersections, in C, as the prompt's blocks are
+        walked; the result must not be mutated (it may be the index's own set)."""
+        table = self._holders
+        # A chain's deep blocks usually have few holders, and those hold the whole chain: probe from the deepest
+        # block anyone holds, checking its few holders' matches, before intersecting from the root (where a
+        # shared system prompt's blocks may be held by the whole pool).
+        for k in range(len(hashes) - 1, -1, -1):
+            held = table.get(hashes[k])
+            if held is None:
+                continue
+            group = (held,) if isinstance(held, str) else held
+            if len(group) > PROBE_HOLDERS:
+                break
+            found = {e for e in group if self.matched(e, hashes) > k}
+            if found:
+                return k + 1, found
+        live: frozenset[str] | set[str] = frozenset()
+        n = 0
+        for h in hashes:
+            held = table.get(h)
+            if held is None:
+                break
+            if isinstance(held, str):
+                if n and held not in live:
+                    break
+                live = frozenset((held,))
+            elif n:
+                nxt = live & held
+                if not nxt:
+                    break
+                live = nxt
+            else:
+                live = held  # read only, never changed here
+            n += 1
+        return n, live
+
+    def blocks_indexed(self) -> int:
+        """Distinct blocks in the inverted index (the `fleetroute_prefix_index_distinct_blocks` gauge)."""
+        return len(self._holders)
+
+    def _hold(self, endpoint_id: str, h: int) -> None:
+        held = self._holders.get(h)
+        if held is None:
+            self._holders[h] = endpoint_id
+        elif isinstance(held, str):
+            if held != endpoint_id:
+                self._holders[h] = {held, endpoint_id}
+        else:
+            held.add(endpoint_id)
+
+    def _release(self, endpoint_id: str, h: int) -> None:
+        held = self._holders.get(h)
+        if held is None:
+            return
+        if isinstance(held, str):
+            if held == endpoint_id:
+                del self._holders[h]
+            return
+        held.discard(endpoint_id)
+        if len(held) == 1:
+            self._holders[h] = next(iter(held))  # back to the compact form
+
     def record(self, endpoint_id: str, hashes: list[int]) -> None:
         """The request with these block hashes was routed to the endpoint: insert or refresh them (and queue
         them for the other replicas when shared), then evict beyond the bound."""
@@ -100,6 +203,7 @@ class PrefixIndex:
                     blocks.move_to_end(h)
                 else:
                     blocks[h] = now
+                    self._hold(endpoint_id, h)
         else:
             stale = now - self.refresh_after
             queue = outbox.get(endpoint_id)
@@ -111,6 +215,8 @@ class PrefixIndex:
                     blocks.move_to_end(h)
                     if stamp > stale:
                         continue  # announced recently enough
+                else:
+                    self._hold(endpoint_id, h)
                 blocks[h] = now
                 if h not in queue:
                     if self._outbox_size < OUTBOX_LIMIT:
@@ -142,6 +248,8 @@ class PrefixIndex:
         for h in hashes:
             if h in blocks:
                 blocks.move_to_end(h)
+            else:
+                self._hold(endpoint_id, h)
             blocks[h] = now
         self._evict(endpoint_id, blocks)
 
@@ -187,12 +295,15 @@ class PrefixIndex:
     def _evict(self, endpoint_id: str, blocks: OrderedDict[int, float]) -> None:
         bound = self._bound.get(endpoint_id, FALLBACK_BLOCKS)
         while len(blocks) > bound:
-            blocks.popitem(last=False)
+            self._release(endpoint_id, blocks.popitem(last=False)[0])
 
     def forget_endpoints(self, gone: frozenset[str]) -> None:
         """Endpoints that left the fleet (the balancer tells every pool state): their blocks, bounds, tuning
         windows, estimates and queued announcements go. One only ejected or draining is still a member and keeps
         its index: it comes back with its cache warm."""
+        for endpoint_id in gone:
+            for h in self.by_endpoint.get(endpoint_id, ()):
+                self._release(endpoint_id, h)
         for table in (self.by_endpoint, self._base, self._factor, self._bound, self._estimate, self.tuning):
             for endpoint_id in gone:
                 table.pop(endpoint_id, None)

@@ -137,6 +137,29 @@ class KVBlockIndex:
             n += 1
         return n
 
+    def matches(self, keys: list[bytes]) -> dict[str, int]:
+        """Every engine holding at least the first of `keys`, with how many leading blocks it holds (`matched`
+        for each at once): a walk of the inverted table narrowing the engines still matching, so its cost is
+        the prompt's length times those engines, not the number of engines."""
+        out: dict[str, int] = {}
+        live: set[str] = set()
+        n = 0
+        for key in keys:
+            held = self.holders.get(key)
+            if held is None:
+                break
+            nxt = set(held) if not n else live & held
+            if n and len(nxt) < len(live):
+                for endpoint_id in live - nxt:
+                    out[endpoint_id] = n
+            live = nxt
+            if not live:
+                return out
+            n += 1
+        for endpoint_id in live:
+            out[endpoint_id] = n
+        return out
+
     def size(self, endpoint_id: str) -> int:
         engine = self.engines.get(endpoint_id)
         return len(engine.keys) if engine is not None else 0

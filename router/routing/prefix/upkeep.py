@@ -80,6 +80,7 @@ class PrefixUpkeep:
         self._lock = asyncio.Lock()
         self.round_done = asyncio.Event()
         self._sized: set[tuple[str, str, str]] = set()
+        self._pools_shown: set[tuple[str, str]] = set()  # (policy, model) of fleetroute_prefix_index_distinct_blocks
         self._rated: set[tuple[str, str, str, str]] = set()
 
     def _pools(self) -> list[tuple[PolicySpec, str, PrefixIndex, PrefixAwareConfig]]:
@@ -134,7 +135,12 @@ class PrefixUpkeep:
 
     def _export(self, pools: list[tuple[PolicySpec, str, PrefixIndex, PrefixAwareConfig]]) -> None:
         sized: set[tuple[str, str, str]] = set()
+        shown = {(spec.name, model) for spec, model, _, _ in pools}
+        for gone_pool in self._pools_shown - shown:
+            self._metrics.prefix_index_distinct.remove(*gone_pool)
+        self._pools_shown = shown
         for spec, model, index, _ in pools:
+            self._metrics.prefix_index_distinct.labels(spec.name, model).set(index.blocks_indexed())
             for view in self._balancer.candidates(model):
                 labels = (spec.name, model, view.id)
                 self._metrics.prefix_index_blocks.labels(*labels).set(index.size(view.id))
