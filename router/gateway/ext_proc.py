@@ -29,6 +29,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import orjson
 
 from router.config.settings import PolicySpec
@@ -71,14 +72,16 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         self._test_hooks = test_hooks  # the GIE conformance suite's hooks (router/gateway/protocol.py)
 
     async def Process(self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest],  # noqa: N802 (gRPC's name)
-                      context: Any) -> AsyncIterator[ext_proc.ProcessingResponse]:
+                      context: grpc.aio.ServicerContext) -> None:
+        # The context's read() and write() rather than iterating the requests and yielding the answers: grpc.aio
+        # wraps each of those in an async generator of its own, two more generator steps per message.
         stream = _Stream(self._ctx, self._fallbacks, self._addresses, self._test_hooks)
         self._ctx.metrics.epp_streams.inc()
         try:
-            async for message in request_iterator:
+            while (message := await context.read()) is not grpc.aio.EOF:
                 answer = await stream.handle(message)
                 if answer is not None:
-                    yield answer
+                    await context.write(answer)
         except asyncio.CancelledError:
             stream.cancelled = True
             raise
@@ -117,7 +120,7 @@ class _Stream:
         self.started = time.perf_counter()
         self.headers: dict[str, str] = {}
         self.subset: tuple[str, ...] | None = None
-        self.body = bytearray()
+        self.body: bytes = b""
         self.request_id = ""
         self.model = ""  # a served model (metric label)
         self.spec: PolicySpec | None = None
@@ -136,24 +139,23 @@ class _Stream:
     async def handle(self, message: ext_proc.ProcessingRequest) -> ext_proc.ProcessingResponse | None:
         kind = message.WhichOneof("request")
         if kind == "request_headers":
-            self.headers = protocol.headers_of(message.request_headers)
-            given = self.headers.get("x-request-id")
-            self.request_id = given if given and REQUEST_ID.match(given) else uuid.uuid4().hex
-            self.subset = protocol.subset_hint(message)
-            if self.test_hooks and self.headers.get(protocol.TEST_SELECTION):
-                self.selection = tuple(v.strip() for v in self.headers[protocol.TEST_SELECTION].split(",") if v.strip())
+            self._start(protocol.headers_of(message.request_headers), message)
             if message.request_headers.end_of_stream:  # no body: nothing names a model
                 return self._refuse(reject(self.ctx, 400, "request body must be a JSON object", code="invalid_json"),
                                     "invalid")
             return CONTINUE_HEADERS
         if kind == "request_body":
-            self.body += message.request_body.body
+            part = message.request_body
+            if part.end_of_stream and not self.body:  # BUFFERED: the whole body in one message, used as it is
+                self.body = part.body
+            else:
+                self.body += part.body  # STREAMED chunks (bounded by max_body_bytes)
             if len(self.body) > self.ctx.settings.max_body_bytes:
-                self.body = bytearray()
+                self.body = b""
                 return self._refuse(reject(self.ctx, 413, f"request body is larger than "
                                                           f"{self.ctx.settings.max_body_bytes} bytes",
                                            code="body_too_large"), "invalid")
-            if not message.request_body.end_of_stream:
+            if not part.end_of_stream:
                 # Only in STREAMED mode, which this picker does not support for routing: Envoy has chosen the host
                 # with the headers before the body's end can name the model (docs/gateway.md: use BUFFERED).
                 return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
@@ -171,6 +173,14 @@ class _Stream:
             return ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())
         return None
 
+    def _start(self, headers: dict[str, str], message: ext_proc.ProcessingRequest) -> None:
+        self.headers = headers
+        given = headers.get("x-request-id")
+        self.request_id = given if given and REQUEST_ID.match(given) else uuid.uuid4().hex
+        self.subset = protocol.subset_hint(message)
+        if self.test_hooks and headers.get(protocol.TEST_SELECTION):
+            self.selection = tuple(v.strip() for v in headers[protocol.TEST_SELECTION].split(",") if v.strip())
+
     # ---- the decision ------------------------------------------------------------------------------------
 
     async def _decide(self) -> ext_proc.ProcessingResponse:
@@ -187,8 +197,7 @@ class _Stream:
 
     async def _route(self) -> ext_proc.ProcessingResponse:
         ctx = self.ctx
-        body = bytes(self.body)
-        self.body = bytearray()
+        body, self.body = self.body, b""
         try:
             payload = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -240,8 +249,9 @@ class _Stream:
         self.picked = view.id
         addresses = [protocol.address(view.endpoint.url), *self._fallback_addresses(model, excluded | {view.id})]
         ctx.metrics.child(ctx.metrics.epp_decisions, model, "routed").inc()
-        log.debug("routed", extra={"request_id": self.request_id, "model": model, "endpoint": view.id,
-                                   "destination": addresses})
+        if log.isEnabledFor(logging.DEBUG):  # not even the extra dict per request otherwise
+            log.debug("routed", extra={"request_id": self.request_id, "model": model, "endpoint": view.id,
+                                       "destination": addresses})
         # The engine logs the same request id as the picker (a generated one when the client sent none, or a bad one).
         common = protocol.destination(addresses, {"x-request-id": self.request_id}, body=rewritten)
         return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=common),
@@ -287,11 +297,7 @@ class _Stream:
     # ---- the answer --------------------------------------------------------------------------------------
 
     def _answered(self, message: ext_proc.ProcessingRequest) -> ext_proc.ProcessingResponse:
-        headers = protocol.headers_of(message.response_headers)
-        try:
-            self.status = int(headers.get(":status", "0"))
-        except ValueError:
-            self.status = 0
+        self.status = protocol.status_of(message.response_headers)
         self.ttfb = time.perf_counter() - self.started
         extra = {"x-request-id": self.request_id} if self.request_id else {}
         if self.booked is not None:  # the head says nothing of the engine's prefill speed (vLLM sends it at once)

@@ -58,6 +58,17 @@ def headers_of(message: ext_proc.HttpHeaders) -> dict[str, str]:
     return out
 
 
+def status_of(message: ext_proc.HttpHeaders) -> int:
+    """The response's `:status` (0 when missing or not a number), without decoding the other headers."""
+    for header in message.headers.headers:
+        if header.key == ":status":
+            try:
+                return int(header.raw_value or header.value)
+            except ValueError:
+                return 0
+    return 0
+
+
 def subset_hint(request: ext_proc.ProcessingRequest) -> tuple[str, ...] | None:
     """The gateway's subset of "ip:port" to choose from, or None when it sent none (choose from the pool)."""
     namespace = request.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
