@@ -5,9 +5,12 @@
 
 The scenario's own fleetroute policies run, plus any `--policy` (or only those, with `--only`). Each seed
 draws new arrivals and requests; every policy gets the same ones per seed. It prints, per
-policy, P50 and P99 TTFT for each seed, the median P99, and the measured prefix-cache hit rate, as a
-Markdown table (`--markdown PATH` writes it too). Seconds per policy and seed instead of minutes: use it
-to explore, then confirm with `fleetroute loadtest --scenario`.
+policy, P50 and P99 TTFT for each seed, the median P99, goodput (requests per simulated second meeting the
+scenario's SLO: TTFT and mean ITL) with the share that met it, and the measured prefix-cache hit rate, as a
+Markdown table (`--markdown PATH` writes it too; `--json PATH` the numbers per seed). When any policy reads
+the precise prefix index (`prefixAware: {index: precise}`), every policy of the run gets the engines' KV
+events fed to it (loadtest/fleetsim.py, "KV events"), so all see the same requests. Seconds per policy and
+seed instead of minutes: use it to explore, then confirm with `fleetroute loadtest --scenario`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadtest.fleetsim import simulate
+from loadtest.fleetsim import KVEventFeed, simulate
 from loadtest.runner import build_plan, modelled_capacity
 from loadtest.scenario import Scenario, load_scenario
 from loadtest.stats import percentile, warmup_start
@@ -59,6 +62,10 @@ def scenario_policies(scenario: Scenario) -> list[tuple[str, str, dict[str, Any]
     return out
 
 
+def reads_kv_events(params: dict[str, Any]) -> bool:
+    return params.get("index") == "precise"
+
+
 def run(scenario_path: str, fraction: float, seeds: int, policies: list[str],
         *, with_scenario_policies: bool = True) -> dict[str, list[dict[str, float]]]:
     base = load_scenario(scenario_path)
@@ -67,6 +74,8 @@ def run(scenario_path: str, fraction: float, seeds: int, policies: list[str],
     capacity = modelled_capacity(base)
     results: dict[str, list[dict[str, float]]] = {}
     parsed = (scenario_policies(base) if with_scenario_policies else []) + [parse_policy(p) for p in policies]
+    kv_events = any(reads_kv_events(params) for _, _, params in parsed)
+    slo = base.slo
     f = base.fleet
     engine = EngineConfig(max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
                           enable_prefix_caching=f.prefix_caching)
@@ -76,26 +85,34 @@ def run(scenario_path: str, fraction: float, seeds: int, policies: list[str],
         for label, strategy, params in parsed:
             outcomes = simulate(plan, scenario.fleet.replica_ids(), strategy=strategy, params=params,
                                 telemetry_interval=scenario.fleet.telemetry_interval, engine=engine,
-                                weights=scenario.fleet.weights(), seed=seed)
+                                weights=scenario.fleet.weights(), seed=seed,
+                                kv_events=KVEventFeed() if kv_events else None)
             start = warmup_start([o.planned.at for o in outcomes], scenario.load.warmup)
             kept = [o for o in outcomes if o.planned.at >= start and o.ttft is not None]
             ttft = [o.ttft for o in kept if o.ttft is not None]
+            good = sum(1 for o in kept if o.ttft is not None and o.ttft <= slo.ttft
+                       and (not o.itl or statistics.fmean(o.itl) <= slo.itl))
+            # Over the time the window's work took (loadtest/stats.py's `span`): never above what was served.
+            span = max((o.planned.at + (o.e2e or 0.0) for o in kept), default=start) - start
             results.setdefault(label, []).append({
                 "p50": percentile(ttft, 50) or 0.0, "p99": percentile(ttft, 99) or 0.0,
                 "hit": sum(o.cached_tokens for o in kept) / max(1, sum(o.prompt_tokens for o in kept)),
+                "slo_met": good / max(1, len(kept)), "goodput": good / span if span > 0 else 0.0,
             })
     return results
 
 
 def render(results: dict[str, list[dict[str, float]]], title: str) -> str:
     lines = [title, "", "| policy | TTFT p50 per seed (ms) | TTFT p99 per seed (ms) | median p99 "
-             "| prefix-cache hits |", "|---|---|---|---|---|"]
+             "| goodput (req/s, median) | SLO met | prefix-cache hits |", "|---|---|---|---|---|---|---|"]
     for label, runs in results.items():
         p50 = " / ".join(f"{r['p50'] * 1000:,.0f}" for r in runs)
         p99 = " / ".join(f"{r['p99'] * 1000:,.0f}" for r in runs)
         median = statistics.median(r["p99"] for r in runs) * 1000
         hits = statistics.fmean(r["hit"] for r in runs)
-        lines.append(f"| {label} | {p50} | {p99} | **{median:,.0f} ms** | {hits:.0%} |")
+        goodput = statistics.median(r.get("goodput", 0.0) for r in runs)
+        met = statistics.fmean(r.get("slo_met", 0.0) for r in runs)
+        lines.append(f"| {label} | {p50} | {p99} | **{median:,.0f} ms** | {goodput:,.1f} | {met:.0%} | {hits:.0%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -109,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                         '"<block>": {...}} (repeat)')
     p.add_argument("--only", action="store_true", help="only the --policy ones, not the scenario's")
     p.add_argument("--markdown", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", help="the numbers per policy and seed")
     args = p.parse_args(argv)
     results = run(args.scenario, args.fraction, args.seeds, args.policy, with_scenario_policies=not args.only)
     title = (f"Virtual-time lab: `{Path(args.scenario).stem}` at {args.fraction:g} of the modelled capacity, "
@@ -117,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"scenario": args.scenario, "fraction": args.fraction,
+                                               "seeds": args.seeds, "results": results}, indent=2) + "\n")
     return 0
 
 

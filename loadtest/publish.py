@@ -6,12 +6,13 @@ The document holds the prose; each measured block sits between two markers and i
 
     <!-- generated:seed-table -->  ...  <!-- /generated -->
 
-Names: a scenario's (its report and plots, the PNGs copied to docs/img/), `lab:<file stem>` (a lab table),
-`overhead` (the router-overhead comparison with the peers: the newest `<results>/overhead/` run, else
-docs/results/overhead.json), `scale` (the scale benchmark's tables and plots), `streams`, `faults` and
-`tenants` (the JSON of loadtest/streams.py, faults.py and tenants.py: `<results>/<name>/<name>.json`, else the
-run committed as docs/results/<name>.json), `telemetry-deltas` (docs/results/telemetry-deltas/*.json). A
-block whose results are missing is left as it is, and said so.
+Names: a scenario's (its report and plots, the PNGs copied to docs/img/), `lab:<file stem>` (a lab table:
+`<results>/lab/`, else docs/results/lab/), `overhead` (the router-overhead comparison with the peers: the
+newest `<results>/overhead/` run, else docs/results/overhead.json), `scale` (the scale benchmark's tables and
+plots), `streams`, `faults`, `tenants` and `kv-ingest` (the JSON of loadtest/streams.py, faults.py,
+tenants.py and kv_ingest.py: `<results>/<name>/<name>.json`, else the run committed as
+docs/results/<name>.json), `telemetry-deltas` (docs/results/telemetry-deltas/*.json). A block whose results
+are missing is left as it is, and said so.
 """
 
 from __future__ import annotations
@@ -85,9 +86,11 @@ def overhead_table(record: dict[str, Any]) -> str:
 
 def render(name: str, results: Path, images: Path) -> str | None:
     """The block's new text, or None when its results are not there."""
-    if name.startswith("lab:"):
-        path = results / "lab" / f"{name[4:]}.md"
-        return path.read_text() if path.exists() else None
+    if name.startswith("lab:"):  # this machine's lab table, else one committed in docs/results/lab/
+        stem = f"{name[4:]}.md"
+        path = next((p for p in (results / "lab" / stem, ROOT / "docs" / "results" / "lab" / stem) if p.exists()),
+                    None)
+        return path.read_text() if path is not None else None
     if name == "overhead":  # this machine's latest run, else the one committed in docs/results/
         found = sorted((results / "overhead").glob("router-overhead-*.json"))
         path = found[-1] if found else ROOT / "docs" / "results" / "overhead.json"
@@ -111,6 +114,14 @@ def render(name: str, results: Path, images: Path) -> str | None:
 
         plot = write_plot(result, images)
         return render_markdown(result) + f"\n![{plot.stem}](img/{plot.name})\n"
+    if name == "kv-ingest":  # loadtest/kv_ingest.py's JSON: this machine's latest, else the committed one
+        path = next((p for p in (results / name / f"{name}.json", ROOT / "docs" / "results" / f"{name}.json")
+                     if p.exists()), None)
+        if path is None:
+            return None
+        from loadtest.kv_ingest import render_markdown as kv_ingest_markdown
+
+        return kv_ingest_markdown(json.loads(path.read_text())) + f"\nThe whole result: `{path.relative_to(ROOT)}`.\n"
     if name == "telemetry-deltas":  # committed A/B runs of the ingestion benchmark
         from loadtest.scale.report import render_ingest_ab
 
