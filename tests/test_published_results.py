@@ -10,7 +10,9 @@ import pytest
 from loadtest.publish import BLOCK, render
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMITTED = ("streams", "faults", "tenants", "telemetry-deltas", "overhead")  # blocks rendered from docs/results/
+# Blocks rendered from docs/results/ (lab:<stem> from docs/results/lab/<stem>.md).
+COMMITTED = ("streams", "faults", "tenants", "telemetry-deltas", "overhead", "kv-ingest", "lab:kv-prefix-heavy-0.8",
+             "lab:kv-mooncake-conversation-0.6")
 
 
 @pytest.mark.parametrize("name", COMMITTED)
