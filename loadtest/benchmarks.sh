@@ -15,7 +15,7 @@ mkdir -p "$OUT" "$KEEP/lab" "$KEEP/scenarios"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(seed-table seed-table-weighted degraded-node prefix-heavy no-sharing
                                  peers-heterogeneous peers-prefix-heavy peers-prefix-heavy-repeat peers-prefix-heavy-high
-                                 overhead scale lab streams faults tenants batching-modes soak)
+                                 overhead scale lab streams faults tenants batching-modes soak kv-ingest)
 for step in "${steps[@]}"; do
     echo "=== $step ($(date -u +%H:%M:%S))"
     case "$step" in
@@ -57,7 +57,21 @@ for step in "${steps[@]}"; do
                 python -m loadtest.lab loadtest/scenarios/no-sharing.yaml --fraction $f --seeds 8 \
                     --policy 'prefix-aware, any match (minMatchShare 0)={"strategy": "prefix-aware", "prefixAware": {"minMatchShare": 0}}' \
                     --json "$KEEP/lab/no-sharing-$f.json"
-            done ;;
+            done
+            # Precise (KV events) against approximate prefix indexes, same requests.
+            KV=(--only --policy round-robin --policy least-connections
+                --policy 'prefix-aware (approximate)={"strategy": "prefix-aware", "prefixAware": {}}'
+                --policy 'prefix-aware precise={"strategy": "prefix-aware", "prefixAware": {"index": "precise"}}'
+                --policy 'least-prefill (approximate)={"strategy": "prefix-aware", "prefixAware": {"selection": "least-prefill"}}'
+                --policy 'least-prefill precise={"strategy": "prefix-aware", "prefixAware": {"selection": "least-prefill", "index": "precise"}}')
+            python -m loadtest.lab loadtest/scenarios/prefix-heavy.yaml --fraction 0.8 --seeds 5 "${KV[@]}" \
+                --json "$KEEP/lab/kv-prefix-heavy-0.8.json"
+            python -m loadtest.lab loadtest/scenarios/mooncake-conversation.yaml --fraction 0.6 --seeds 5 "${KV[@]}" \
+                --json "$KEEP/lab/kv-mooncake-conversation-0.6.json"
+            python -m loadtest.lab loadtest/scenarios/lab-1000.yaml --fraction 0.6 --seeds 3 \
+                --json "$KEEP/lab/lab-1000-0.6.json" ;;
+        kv-ingest)
+            python -m loadtest.kv_ingest --json "$KEEP/kv-ingest.json" ;;
         *)
             fleetroute loadtest --scenario "loadtest/scenarios/$step.yaml" --out "$OUT/$step" > "$OUT/$step.log" 2>&1
             rc=$?

@@ -17,6 +17,19 @@ counts requests), telemetry staleness, health checks, retries, faults, and the p
 upkeep (no sharing, no tuning). The lab's numbers are for the picker alone. Use it
 to explore policies and parameters, then confirm with the live harness; docs/benchmarks.md says which
 numbers come from which.
+
+KV events (`kv_events`, a `KVEventFeed`): each engine's paged cache (worker/sim/kv_cache.py) records its `BlockStored`,
+`BlockRemoved` and `AllBlocksCleared` events as the live simulator does, and after every engine step they go
+through vLLM's wire format (worker/sim/kv_events.py `encode_events`, then the router's `decode_batch`) into
+the router's own `KVBlockIndex`, which the pickers' prefix index reads for `prefixAware: {index: precise}`:
+routing on engine truth, with the router's block keys. The live simulator publishes right after the step is
+computed, so here too they are applied at the step's start; the network's milliseconds and lost messages are
+not modelled (every engine is precise from sequence 0). The precise index needs the request's token ids:
+the router knows them for a completions prompt (with a tokenizer: here the simulator's own); a chat request
+it would send to the approximate index. With `kv_events`, chat requests are therefore shown to the picker
+rendered with the engine's chat template, as a completions prompt (a router that applies the model's chat
+template, or clients that send rendered prompts), for every policy of the run alike, so all of them see the
+same requests; the engine serves the same tokens either way.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +46,11 @@ from loadtest.client import PlannedRequest
 from router.model import Endpoint, EndpointView, RequestInfo, Telemetry
 from router.routing.policies.registry import PolicyRegistry
 from router.routing.prefill import Prefill, PrefillBook
+from router.routing.prefix.kv_block_index import KVBlockIndex
+from router.routing.prefix.kv_events import decode_batch
 from worker.sim.engine import EngineConfig, EngineCore, SimRequest
 from worker.sim.gpu import BusyWindow
+from worker.sim.kv_events import encode_events
 from worker.sim.profiles import profile
 from worker.sim.tokenizer import render_chat, tokenize
 
@@ -90,6 +107,41 @@ def prompt_tokens(planned: PlannedRequest) -> list[int]:
     return tokenize(render_chat(body["messages"]) if "messages" in body else body["prompt"])
 
 
+def as_completion(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A chat body as the completions prompt the engine renders from it (see the module docstring)."""
+    if "messages" not in body:
+        return body
+    out = {k: v for k, v in body.items() if k != "messages"}
+    out["prompt"] = render_chat(body["messages"])
+    return out
+
+
+class KVEventFeed:
+    """The engines' KV events into the router's precise index, through the wire format, after every step."""
+
+    def __init__(self) -> None:
+        self.index = KVBlockIndex(tokenize=tokenize)
+        self.batches = 0
+        self.replicas: Mapping[str, _Replica] = {}
+
+    def attach(self, replicas: Mapping[str, _Replica]) -> None:
+        self.replicas = replicas
+        for rid, replica in replicas.items():
+            replica.engine.kv_cache.events = []
+            engine = self.index.engine(rid)
+            engine.precise = True  # heard from sequence 0, and nothing is lost in virtual time
+
+    def publish(self, rid: str, replica: _Replica, now: float) -> None:
+        kv = replica.engine.kv_cache
+        if not kv.events:
+            return
+        engine = self.index.engine(rid)
+        engine.last_seq = 0 if engine.last_seq is None else engine.last_seq + 1
+        self.index.apply(rid, decode_batch(encode_events(kv.events, kv.block_size, now)))
+        self.batches += 1
+        kv.events = []
+
+
 def simulate(
     plan: Sequence[PlannedRequest],
     replicas: Sequence[tuple[str, str]],
@@ -100,9 +152,13 @@ def simulate(
     engine: EngineConfig | None = None,
     weights: Mapping[str, float] | None = None,
     seed: int = 0,
+    kv_events: KVEventFeed | None = None,
+    policy_events: Counter[str] | None = None,
 ) -> list[SimOutcome]:
     """Route `plan` (arrival times in simulated seconds) over `replicas` ((id, gpu profile), ...) with the
-    router's `strategy` and run every request to completion; outcomes in plan order."""
+    router's `strategy` and run every request to completion; outcomes in plan order. `kv_events` (a fresh
+    `KVEventFeed`): feed the engines' KV events to the precise prefix index (module docstring).
+    `policy_events`: counts the pickers' events (what the router's fleetroute_policy_events_total counts)."""
     registry = PolicyRegistry()
     policy = registry.get(strategy)
     if policy is None:
@@ -112,6 +168,15 @@ def simulate(
     rng = random.Random(seed)
     fleet = {rid: _Replica(rid, gpu, engine or EngineConfig(), seed * 1000 + i, (weights or {}).get(rid, 1.0))
              for i, (rid, gpu) in enumerate(replicas)}
+    def sink(event: str) -> None:
+        if policy_events is not None:
+            policy_events[event] += 1
+
+    feed = kv_events
+    if feed is not None:
+        feed.attach(fleet)
+    if feed is not None and hasattr(state, "engine_blocks"):  # a prefix index (prefix-aware, composite)
+        state.engine_blocks = feed.index
     loads = _Loads()
     outcomes: list[SimOutcome] = []
     by_request: dict[str, tuple[SimOutcome, SimRequest, _Replica]] = {}
@@ -130,6 +195,8 @@ def simulate(
         if replica.stepping or not replica.engine.has_work():
             return
         result = replica.engine.step(now)
+        if feed is not None:
+            feed.publish(replica.endpoint.id, replica, now)
         if result.idle:  # batch modes waiting for a window; continuous batching is never idle with work
             heapq.heappush(queue, (now + max(result.duration, 1e-6), next(order), "step_end", replica))
             replica.stepping = True
@@ -142,7 +209,7 @@ def simulate(
         now, _, kind, payload = heapq.heappop(queue)
         if kind == "telemetry":
             views = tuple(EndpointView(endpoint=r.endpoint, telemetry=r.telemetry(now)) for r in fleet.values())
-            picker = policy.build(views, config, state, rng, lambda _event: None)
+            picker = policy.build(views, config, state, rng, sink)
             if pending_arrivals or by_request:
                 heapq.heappush(queue, (now + telemetry_interval, next(order), "telemetry", None))
             continue
@@ -150,7 +217,8 @@ def simulate(
             pending_arrivals -= 1
             planned = plan[payload]
             assert picker is not None
-            info = RequestInfo(model="m", request_id=f"r{payload}", headers=planned.headers, body=planned.body)
+            body = as_completion(planned.body) if feed is not None else planned.body
+            info = RequestInfo(model="m", request_id=f"r{payload}", headers=planned.headers, body=body)
             view = picker.pick(info, loads, frozenset())
             assert view is not None
             replica = fleet[view.id]

@@ -5,11 +5,14 @@
 
 The scenario's own fleetroute policies run, plus any `--policy` (or only those, with `--only`). Each seed
 draws new arrivals and requests; every policy gets the same ones per seed. It prints, per
-policy, P50 and P99 TTFT for each seed, the median P99, and the measured prefix-cache hit rate, as a
-Markdown table (`--markdown PATH` writes it too; `--json PATH` writes the run: its settings, every
-policy's per-seed numbers, the machine and commit, which `python -m loadtest.publish` renders into
-docs/benchmarks.md). Seconds per policy and seed instead of minutes: use it to explore, then confirm with
-`fleetroute loadtest --scenario`.
+policy, P50 and P99 TTFT for each seed, the median P99, goodput (requests per simulated second meeting the
+scenario's SLO: TTFT and mean ITL) with the share that met it, and the measured prefix-cache hit rate, as a
+Markdown table (`--markdown PATH` writes it too; `--json PATH` writes the run: its settings, every policy's
+numbers per seed, the machine and commit, which `python -m loadtest.publish` renders into
+docs/benchmarks.md). When any policy reads
+the precise prefix index (`prefixAware: {index: precise}`), every policy of the run gets the engines' KV
+events fed to it (loadtest/fleetsim.py, "KV events"), so all see the same requests. Seconds per policy and
+seed instead of minutes: use it to explore, then confirm with `fleetroute loadtest --scenario`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.fleetsim import simulate
+from loadtest.fleetsim import KVEventFeed, simulate
 from loadtest.runner import build_plan, modelled_capacity
 from loadtest.scenario import Scenario, load_scenario
 from loadtest.stats import percentile, warmup_start
@@ -62,6 +65,10 @@ def scenario_policies(scenario: Scenario) -> list[tuple[str, str, dict[str, Any]
     return out
 
 
+def reads_kv_events(params: dict[str, Any]) -> bool:
+    return params.get("index") == "precise"
+
+
 def run(scenario_path: str, fraction: float, seeds: int, policies: list[str],
         *, with_scenario_policies: bool = True) -> dict[str, list[dict[str, float]]]:
     base = load_scenario(scenario_path)
@@ -70,6 +77,8 @@ def run(scenario_path: str, fraction: float, seeds: int, policies: list[str],
     capacity = modelled_capacity(base)
     results: dict[str, list[dict[str, float]]] = {}
     parsed = (scenario_policies(base) if with_scenario_policies else []) + [parse_policy(p) for p in policies]
+    kv_events = any(reads_kv_events(params) for _, _, params in parsed)
+    slo = base.slo
     f = base.fleet
     engine = EngineConfig(max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
                           enable_prefix_caching=f.prefix_caching)
@@ -79,13 +88,19 @@ def run(scenario_path: str, fraction: float, seeds: int, policies: list[str],
         for label, strategy, params in parsed:
             outcomes = simulate(plan, scenario.fleet.replica_ids(), strategy=strategy, params=params,
                                 telemetry_interval=scenario.fleet.telemetry_interval, engine=engine,
-                                weights=scenario.fleet.weights(), seed=seed)
+                                weights=scenario.fleet.weights(), seed=seed,
+                                kv_events=KVEventFeed() if kv_events else None)
             start = warmup_start([o.planned.at for o in outcomes], scenario.load.warmup)
             kept = [o for o in outcomes if o.planned.at >= start and o.ttft is not None]
             ttft = [o.ttft for o in kept if o.ttft is not None]
+            good = sum(1 for o in kept if o.ttft is not None and o.ttft <= slo.ttft
+                       and (not o.itl or statistics.fmean(o.itl) <= slo.itl))
+            # Over the time the window's work took (loadtest/stats.py's `span`): never above what was served.
+            span = max((o.planned.at + (o.e2e or 0.0) for o in kept), default=start) - start
             results.setdefault(label, []).append({
                 "p50": percentile(ttft, 50) or 0.0, "p99": percentile(ttft, 99) or 0.0,
                 "hit": sum(o.cached_tokens for o in kept) / max(1, sum(o.prompt_tokens for o in kept)),
+                "slo_met": good / max(1, len(kept)), "goodput": good / span if span > 0 else 0.0,
             })
     return results
 
@@ -102,13 +117,18 @@ def render_record(record: dict[str, Any]) -> str:
 
 def render(results: dict[str, list[dict[str, float]]], title: str) -> str:
     lines = [title, "", "| policy | TTFT p50 per seed (ms) | TTFT p99 per seed (ms) | median p99 "
-             "| prefix-cache hits |", "|---|---|---|---|---|"]
+             "| goodput (req/s, median) | SLO met | prefix-cache hits |", "|---|---|---|---|---|---|---|"]
     for label, runs in results.items():
         p50 = " / ".join(f"{r['p50'] * 1000:,.0f}" for r in runs)
         p99 = " / ".join(f"{r['p99'] * 1000:,.0f}" for r in runs)
         median = statistics.median(r["p99"] for r in runs) * 1000
         hits = statistics.fmean(r["hit"] for r in runs)
-        lines.append(f"| {label} | {p50} | {p99} | **{median:,.0f} ms** | {hits:.0%} |")
+        if all("goodput" in r for r in runs):
+            goodput = f"{statistics.median(r['goodput'] for r in runs):,.1f}"
+            met = f"{statistics.fmean(r['slo_met'] for r in runs):.0%}"
+        else:  # a run from before the lab measured them
+            goodput = met = "-"
+        lines.append(f"| {label} | {p50} | {p99} | **{median:,.0f} ms** | {goodput} | {met} | {hits:.0%} |")
     return "\n".join(lines) + "\n"
 
 

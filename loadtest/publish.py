@@ -10,7 +10,7 @@ The document holds the prose; each measured block sits between two markers and i
 Each block renders from one result under docs/results/ (`results_path`): a scenario's summary
 (`scenarios/<name>.json`, the `summary.json` of `fleetroute loadtest`; its report and plots, the PNGs
 written to docs/img/), `lab:<stem>` (`lab/<stem>.json`, a `python -m loadtest.lab --json` run), and
-`overhead`, `scale`, `streams`, `faults`, `tenants`, `batching-modes`, `soak` (`<name>.json`, each
+`overhead`, `scale`, `streams`, `faults`, `tenants`, `kv-ingest`, `batching-modes`, `soak` (`<name>.json`, each
 benchmark's `--json`), `telemetry-deltas` (`telemetry-deltas/*.json`). A block whose results are missing is
 left as it is, named, and the command exits 1.
 """
@@ -90,7 +90,7 @@ def results_path(name: str, results: Path) -> Path:
         return results / "lab" / f"{name[4:]}.json"
     if name == "telemetry-deltas":
         return results / name
-    if name in ("overhead", "streams", "faults", "tenants", "scale", "batching-modes", "soak"):
+    if name in ("overhead", "streams", "faults", "tenants", "kv-ingest", "scale", "batching-modes", "soak"):
         return results / f"{name}.json"
     return results / "scenarios" / f"{name}.json"  # a scenario's summary.json
 
@@ -128,6 +128,10 @@ def render(name: str, results: Path, images: Path) -> str | None:
 
         plot = write_plot(result, images)
         return render_markdown(result) + f"\n![{plot.stem}](img/{plot.name})\n"
+    if name == "kv-ingest":
+        from loadtest.kv_ingest import render_markdown as kv_ingest_markdown
+
+        return kv_ingest_markdown(result) + f"\nThe whole result: `{_shown(path)}`.\n"
     if name == "batching-modes":
         from loadtest.batching_modes import render_record as batching_markdown
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -56,3 +57,50 @@ def test_endpoint_weights_reach_the_pickers() -> None:
 def test_an_unknown_strategy_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown strategy 'fastest'"):
         simulate(plan(10.0, 5), FLEET, strategy="fastest")
+
+
+# ---- KV events: the precise prefix index on engine truth ----------------------------------------------
+
+
+def shared_prefix_plan(n: int = 200, rate: float = 40.0):
+    from loadtest.workload import SharedPrefixWorkload
+
+    rng = random.Random(5)
+    times = arrivals.poisson(rate, 2 * n / rate, rng)[:n]
+    return SharedPrefixWorkload(model="m", groups=12, prefix_tokens=1500, question_tokens=64, output_tokens=16,
+                                skew=0.6).requests(times, rng)
+
+
+def test_the_precise_index_holds_exactly_the_blocks_each_engine_caches_under_the_routers_keys() -> None:
+    from loadtest.fleetsim import KVEventFeed, prompt_tokens
+    from router.routing.prefix.kv_block_index import chain_keys
+
+    feed = KVEventFeed()
+    requests = shared_prefix_plan()
+    events: Counter[str] = Counter()
+    outcomes = simulate(requests, FLEET, strategy="prefix-aware", params={"index": "precise"}, seed=1,
+                        kv_events=feed, policy_events=events)
+    assert all(o.ttft is not None for o in outcomes) and feed.batches > 0
+    # Every pick matched every candidate on the engines' events, none on the approximate guess.
+    assert events["index_precise"] == len(requests) and events["index_approximate"] == 0
+    for rid, replica in feed.replicas.items():
+        kv = replica.engine.kv_cache
+        assert feed.index.size(rid) > 0 and feed.index.block_size(rid) == kv.block_size
+        for planned in requests[:40]:
+            tokens = prompt_tokens(planned)
+            truth = len(kv.find_cached(kv.block_hashes(tokens)))
+            keys = chain_keys(tokens, kv.block_size, 4096)
+            assert feed.index.matched(rid, keys) == truth, (rid, planned.body["messages"][0]["content"][:20])
+
+
+def test_precise_routing_hits_the_engines_cache_at_least_as_often_as_the_approximate_guess() -> None:
+    from loadtest.fleetsim import KVEventFeed
+
+    requests = shared_prefix_plan(400, 60.0)
+
+    def hit_rate(params):
+        outcomes = simulate(requests, FLEET, strategy="prefix-aware", params=params, seed=2, kv_events=KVEventFeed())
+        return sum(o.cached_tokens for o in outcomes) / sum(o.prompt_tokens for o in outcomes)
+
+    approximate, precise = hit_rate({}), hit_rate({"index": "precise"})
+    assert precise > 0.5 and precise >= approximate - 0.02
