@@ -6,21 +6,11 @@ candidates, scorers rate each in [0, 1], and a picker chooses from the weighted 
     filter   the load guard (optional): drop endpoints whose load trips it, measured against the other
              candidates (maxInFlight, maxImbalance, maxLoadFactor, sigmaK: the prefix-aware guards). If it
              would drop every candidate, none is dropped (counted as the `guard_all_tripped` event).
-    score    s(e) = clamp(sum_i w_i * scorer_i(e)) * slow_start_weight(e), with the weights normalised to
-             sum to 1. The scorers:
-               gpu      1 - gpu_util                          telemetry (signal: gpu_util)
-               memory   1 - kv_cache_usage                    telemetry (signal: kv_cache_usage | gpu_mem_util)
-               queue    1 - queue / maxQueue                  telemetry (signal: num_waiting | num_running |
-                                                              num_requests); with `pick: best-score` the
-                                                              queue also counts this router's in-flight
-                                                              requests there, as adaptive's formula does
-               load     1 - load / (most loaded candidate)    this router's in-flight requests, or their
-                                                              predicted cost (loadUnit: tokens)
-               prefix   leading prompt blocks cached there    the prefix index (as prefix-aware keeps it:
-                        / prompt blocks hashed                sized from the engine's KV cache, shared
-                                                              through Redis, tuned on the engine's hit rate)
-             A telemetry scorer with no fresh report for an endpoint gives it the mean of the others
-             (neutral), so missing telemetry neither attracts nor repels traffic.
+    score    s(e) = clamp(sum_i w_i * clamp(scorer_i(e))) * slow_start_weight(e), with the weights normalised
+             to sum to 1. The scorers (gpu, memory, queue, load, prefix) are plug-ins read from the scorer
+             registry (router/routing/policies/scorers.py, scorer_registry.py): each says what it reads and how
+             it scores, and the clamp of each scorer's output is here, in `_key`, the one place. The parts of
+             s(e) that do not change between picks (telemetry scorers) are computed once per rebuild.
     pick     from a random sample of `choices` candidates (all when `choices: all`):
                least-load   the least (load + 1) / (s(e) * weight(e)): load per unit of headroom and of
                             the endpoint's configured capacity weight (Envoy's weighted least-request).
@@ -35,21 +25,30 @@ candidates, scorers rate each in [0, 1], and a picker chooses from the weighted 
 off at a threshold as prefix-aware's guard does. Scores and choices can be explained per request
 (DecisionTrace).
 
+The indexed pick (`_indexed`): with least-load over every candidate, no guard and loads in requests, the
+pick finds the scan's choice by looking at a few endpoints: the prompt's holders in the prefix index, then the
+pool's endpoints least in flight first (load_index.py) and best snapshot score first, until a bound on the key
+of every endpoint not yet looked at (`_bound`) shows none can win (Fagin's threshold algorithm). Its cost
+depends on how far the best endpoint is from the top of either order, not on the pool's size; every other
+configuration, and every explained pick, scans (`_scan`). tests/test_composite_index.py holds the two together.
+
 As prefix-aware does, a composite with a prefix scorer records the chosen endpoint's prompt blocks in its
 pool's index on the pick path (the one mutation a picker makes: an observation of where traffic went).
 """
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.model import COUNT_SIGNALS, FRACTION_SIGNALS, EndpointView, RequestInfo
+from router.model import EndpointView, RequestInfo
 from router.routing.policies.base import (
     DecisionTrace,
     EventSink,
+    Explained,
     LoadView,
     PolicyConfigError,
     Sentence,
@@ -57,9 +56,11 @@ from router.routing.policies.base import (
     fmt,
     listed,
     parse_load_unit,
+    pool_index,
     reject_unknown,
     whole_number,
 )
+from router.routing.policies.load_index import LoadIndex
 from router.routing.policies.prefix_aware import (
     GuardLimits,
     Matcher,
@@ -69,25 +70,22 @@ from router.routing.policies.prefix_aware import (
     remember,
     size_index,
 )
-from router.routing.policies.scorers import clamp, free_fraction, neutral_fill, queue_free
+from router.routing.policies.scorer_registry import SCORERS, ScorerRegistry
+from router.routing.policies.scorers import MAX_QUEUE, At, ScorerSpec, clamp
+from router.routing.policies.scorers import Scorer as ScorerPlugin
 from router.routing.prefix.index import PrefixIndex
 
-TELEMETRY_SCORERS = {"gpu": "gpu_util", "memory": "kv_cache_usage", "queue": "num_waiting"}  # default signals
-SCORERS = (*TELEMETRY_SCORERS, "load", "prefix")
+Scorer = ScorerSpec  # the configured entry under its older name (adaptive builds its three with it)
 PICKS = ("least-load", "best-score")
-# Bounds of sanity, the same as the RoutingPolicy CRD's: a larger sample is "all", a larger queue bound no
-# engine reaches.
+# Bounds of sanity, the same as the RoutingPolicy CRD's: a larger sample is "all".
 MAX_CHOICES = 4096
-MAX_QUEUE = 1_000_000
 MIN_SCORE = 0.01  # least-load divides by the score: an endpoint with no headroom left is costly, not infinite
-
-
-@dataclass(frozen=True)
-class Scorer:
-    name: str
-    weight: float  # normalised: the weights of a policy sum to 1
-    signal: str | None = None  # telemetry scorers
-    max_queue: int = 32  # queue
+# Per-request scorer shapes the indexed pick can bound (router/routing/policies/scorers.py).
+INDEXED_SHAPES = frozenset({"falls_with_load", "prompt_holders"})
+# The indexed pick walks endpoints in order of snapshot score per group of equal (slow-start factor, weight);
+# groups smaller than this share one walk bounded by their largest factor and weight (endpoints ramping up).
+MIN_GROUP = 8
+__all__ = ["MAX_QUEUE", "PICKS", "CompositeConfig", "CompositePicker", "CompositePolicy", "Scorer", "parse_choices"]
 
 
 @dataclass(frozen=True)
@@ -107,7 +105,7 @@ class LoadGuard:
 
 @dataclass(frozen=True)
 class CompositeConfig:
-    scorers: tuple[Scorer, ...]
+    scorers: tuple[ScorerSpec, ...]
     pick: str = "least-load"
     choices: int | None = 2  # None: every candidate
     load_unit: str = "requests"
@@ -123,51 +121,114 @@ class CompositeConfig:
         return sum(s.weight for s in self.scorers if s.name == name)
 
 
+def prefix_holders(index: PrefixIndex, hashes: list[int]) -> dict[str, int]:
+    """Every endpoint whose index holds at least the first of `hashes`, with how many leading blocks it holds
+    (`PrefixIndex.matched`). An index that keeps block -> holders answers itself (`holders`, its cost the
+    prompt's length); this index's current API has no such map, so the fallback tests each indexed endpoint for
+    the first block (one dict lookup each, no walk of the chain for the endpoints that miss)."""
+    holders = getattr(index, "holders", None)
+    if holders is not None:
+        found: dict[str, int] = holders(hashes)
+        return found
+    first = hashes[0]
+    return {e: index.matched(e, hashes) for e, blocks in index.by_endpoint.items() if first in blocks}
+
+
+class _Walk:
+    """One group of endpoints with the same capacity (or the small groups together), in decreasing order of their
+    snapshot score: the indexed pick reads it from the top."""
+
+    __slots__ = ("ids", "static", "factor", "weight")
+
+    def __init__(self, entries: list[tuple[float, str]], factor: float, weight: float) -> None:
+        self.ids = [e for _, e in entries]
+        self.static = [a for a, _ in entries]
+        self.factor = factor  # the largest slow-start factor in the group (bounds only)
+        self.weight = weight  # the largest configured weight in the group (bounds only)
+
+
 class CompositePicker:
-    __slots__ = ("_views", "_config", "_rng", "_events", "_static", "_reported_queue", "_queue", "_load_w",
-                 "_prefix_w", "_index", "_tokens", "_all_loads", "_uses_telemetry")
+    __slots__ = ("_views", "_by_id", "_config", "_rng", "_events", "_index", "_tokens", "_least", "_static",
+                 "_dynamic", "_all_loads", "_uses_telemetry", "_indexable", "_walks", "_at", "_parts_of")
 
     def __init__(self, views: tuple[EndpointView, ...], config: CompositeConfig, rng: random.Random,
-                 events: EventSink, index: PrefixIndex | None = None) -> None:
+                 events: EventSink, index: PrefixIndex | None = None, scorers: ScorerRegistry = SCORERS) -> None:
         self._views = views
+        self._by_id = {v.id: v for v in views}
         self._config = config
         self._rng = rng
         self._events = events
         self._index = index
         self._tokens = config.load_unit == "tokens"
-        # The telemetry part of the score is fixed for this snapshot: computed once per rebuild.
-        static = dict.fromkeys((v.id for v in views), 0.0)
-        self._queue: Scorer | None = None
-        for scorer in config.scorers:
-            if scorer.name in ("gpu", "memory"):
-                assert scorer.signal is not None
-                filled = neutral_fill({v.id: free_fraction(v, scorer.signal) for v in views})
-                for v in views:
-                    static[v.id] += scorer.weight * filled[v.id]
-            elif scorer.name == "queue":
-                self._queue = scorer
+        self._least = config.pick == "least-load"
+        self._at = At()
+        plugins = [(spec, scorers.require(spec.name, f"scorers.{spec.name}")) for spec in config.scorers]
+        # The request-independent part of each endpoint's score is fixed for this snapshot: computed once per
+        # rebuild, each scorer's score clamped (the one clamp) and weighted.
+        static = dict.fromkeys(self._by_id, 0.0)
+        dynamic: list[tuple[ScorerSpec, ScorerPlugin, dict[str, float]]] = []
+        at = self._at
+        parts: list[tuple[ScorerSpec, ScorerPlugin, dict[str, float]]] = []
+        for spec, scorer in plugins:
+            table = scorer.table(views, spec)
+            parts.append((spec, scorer, table))
+            if scorer.per_request or (scorer.counts_queued and not self._least):
+                dynamic.append((spec, scorer, table))
+                continue
+            for view_id in static:
+                static[view_id] += spec.weight * clamp(scorer.score(spec, table.get(view_id, 0.0), at))
         self._static = static
-        queue_signal = self._queue.signal if self._queue is not None else None
-        self._reported_queue = neutral_fill(
-            {v.id: (v.telemetry.signal(queue_signal) if v.telemetry is not None and queue_signal else None)
-             for v in views},
-            default=0.0,
-        )
-        self._load_w = config.weight("load")
-        self._prefix_w = config.weight("prefix")
-        self._all_loads = bool(self._load_w) or config.guard.active
-        self._uses_telemetry = any(s.name in TELEMETRY_SCORERS for s in config.scorers)
+        self._parts_of = tuple(parts)  # every scorer with its table, for explanations
+        self._dynamic = tuple(dynamic)
+        # Every candidate's load is read when a scorer compares it with the others' or the guard does.
+        self._all_loads = any(scorer.shape == "falls_with_load" for _, scorer in plugins) or config.guard.active
+        self._uses_telemetry = any(scorer.uses_telemetry for _, scorer in plugins)
+        # The indexed pick (`_indexed`) finds the scan's choice by looking at a few endpoints. It needs the least-load
+        # key, every candidate (no sample, no guard comparing them all), loads in requests (what the load index
+        # orders), per-request scorers it can bound, and the approximate prefix index (holders are found by block).
+        self._indexable = (
+            self._least and config.choices is None and not config.guard.active and not self._tokens
+            and all(scorer.shape in INDEXED_SHAPES for _, scorer, _ in dynamic)
+            and (config.prefix is None or config.prefix.index != "precise"))
+        self._walks: list[_Walk] | None = None  # built at the first indexed pick
 
     # ---- scores -------------------------------------------------------------------------------------
 
-    def score(self, view: EndpointView, in_flight: float, *, load_score: float = 1.0,
-              prefix_score: float = 0.0) -> float:
-        """s(e), with `in_flight` requests of this router added to the reported queue (the least-load pick
-        passes 0: it weighs the load itself)."""
-        s = self._static[view.id] + self._load_w * load_score + self._prefix_w * prefix_score
-        q = self._queue
-        if q is not None:
-            s += q.weight * queue_free(self._reported_queue[view.id], in_flight, q.max_queue)
+    def _key(self, view: EndpointView, lv: float, matched: int) -> tuple[float, float]:
+        """(the pick key, lower is better; s(e)) for `view` at load `lv` with `matched` prompt blocks: the formula
+        of every path, so the indexed pick and the scan compare the same floats."""
+        at = self._at
+        at.load = lv
+        at.matched = matched
+        s = self._static[view.id]
+        for spec, scorer, table in self._dynamic:
+            s += spec.weight * clamp(scorer.score(spec, table.get(view.id, 0.0), at))
+        s = clamp(s) * view.weight_factor
+        key = (lv + 1.0) / (max(s, MIN_SCORE) * view.endpoint.weight) if self._least else -s
+        return key, s
+
+    def _bound(self, walk: _Walk, position: int, lv: float) -> float:
+        """The least key an endpoint of `walk` not yet looked at can have: its snapshot score is at most the one at
+        `position`, its load at least `lv`, it holds none of the prompt's blocks (holders are all looked at), its
+        factor and weight at most the group's. Each step of `_key` is monotonic, so this bounds it exactly."""
+        at = self._at
+        at.load = lv
+        at.matched = 0
+        s = walk.static[position]
+        for spec, scorer, _table in self._dynamic:
+            s += spec.weight * clamp(scorer.score(spec, 0.0, at))
+        s = clamp(s) * walk.factor
+        return (lv + 1.0) / (max(s, MIN_SCORE) * walk.weight)
+
+    def score(self, view: EndpointView, in_flight: float = 0.0, *, matched: int = 0, blocks: int = 0) -> float:
+        """s(e) outside a pick, with `in_flight` requests of this router there added to a reported queue (what a
+        best-score pick does) and `matched` of `blocks` prompt blocks cached there; no other candidate's load to
+        compare, so the load scorer gives 1."""
+        at = self._at
+        at.load, at.most, at.queued, at.matched, at.blocks = in_flight, 0.0, in_flight, matched, blocks
+        s = 0.0
+        for spec, scorer, table in self._parts_of:
+            s += spec.weight * clamp(scorer.score(spec, table.get(view.id, 0.0), at))
         return clamp(s) * view.weight_factor
 
     def _load(self, view: EndpointView, loads: LoadView, unit: float) -> float:
@@ -179,6 +240,113 @@ class CompositePicker:
 
     def pick(self, req: RequestInfo, loads: LoadView, exclude: frozenset[str],
              trace: DecisionTrace | None = None) -> EndpointView | None:
+        c = self._config
+        index = self._index if c.prefix is not None else None
+        hashes: list[int] = []
+        prompt_chars = 0
+        if index is not None and c.prefix is not None:
+            hashes, prompt_chars = prompt_blocks(req.body, c.prefix.block_chars, c.prefix.max_blocks)
+        found: tuple[EndpointView, int] | None = None
+        load_index = pool_index(loads, self._views) if self._indexable and trace is None else None
+        if load_index is not None:  # an explained pick scans, to list what it compared
+            found = self._indexed(loads, exclude, load_index, index, hashes)
+        else:
+            found = self._scan(req, loads, exclude, trace, index, hashes, prompt_chars)
+        if found is None:
+            return None
+        best, best_match = found
+        if best.telemetry is None and self._uses_telemetry:
+            self._events("telemetry_unknown")
+        if index is not None and c.prefix is not None:
+            remember(index, best.id, hashes, prompt_chars, best_match, c.prefix.block_chars)
+        return best
+
+    def _indexed(self, loads: LoadView, exclude: frozenset[str], load_index: LoadIndex, index: PrefixIndex | None,
+                 hashes: list[int]) -> tuple[EndpointView, int] | None:
+        """The scan's choice without the scan (Fagin's threshold algorithm): endpoints are looked at in two orders
+        at once, least in-flight first (the pool's load index) and best snapshot score first (`_walks`), after every
+        endpoint holding some of the prompt's blocks; the walk stops when no endpoint not yet looked at can beat
+        (or tie with a lower load) the best one found, by `_bound`. Ties are broken at random among the tied
+        endpoints looked at."""
+        at = self._at
+        at.most = float(load_index.highest(exclude)) if self._all_loads else 0.0
+        at.blocks = len(hashes)
+        at.queued = 0.0
+        by_id = self._by_id
+        seen: set[str] = set(exclude)
+        best: list[tuple[EndpointView, int]] = []
+        best_key = best_lv = math.inf
+
+        def look(endpoint_id: str, matched: int) -> None:
+            nonlocal best, best_key, best_lv
+            seen.add(endpoint_id)
+            view = by_id[endpoint_id]
+            lv = float(loads.in_flight(endpoint_id))
+            key = self._key(view, lv, matched)[0]
+            if key < best_key or (key == best_key and lv < best_lv):
+                best, best_key, best_lv = [(view, matched)], key, lv
+            elif key == best_key and lv == best_lv:
+                best.append((view, matched))
+
+        if index is not None and hashes:
+            for endpoint_id, matched in prefix_holders(index, hashes).items():
+                if endpoint_id in by_id and endpoint_id not in seen:
+                    look(endpoint_id, matched)
+        walks = self._walks if self._walks is not None else self._build_walks()
+        positions = [0] * len(walks)
+        by_load: Iterator[tuple[int, str]] = load_index.ascending()
+        head = next(by_load, None)
+        while True:
+            while head is not None and head[1] in seen:
+                head = next(by_load, None)
+            if head is None:
+                break  # every endpoint looked at
+            threshold = math.inf
+            for w, walk in enumerate(walks):
+                position = positions[w]
+                ids = walk.ids
+                while position < len(ids) and ids[position] in seen:
+                    position += 1
+                positions[w] = position
+                if position < len(ids):
+                    threshold = min(threshold, self._bound(walk, position, float(head[0])))
+            if threshold > best_key or (threshold == best_key and best_lv <= head[0]):
+                break
+            look(head[1], 0)
+            for w, walk in enumerate(walks):
+                position = positions[w]
+                if position < len(walk.ids) and walk.ids[position] not in seen:
+                    look(walk.ids[position], 0)
+        if not best:
+            return None
+        return best[0] if len(best) == 1 else self._rng.choice(best)
+
+    def _build_walks(self) -> list[_Walk]:
+        """Endpoints by decreasing snapshot score, per group of equal (slow-start factor, weight); shuffled first,
+        so equal scores are met in a random order, never the list's."""
+        order = list(self._views)
+        self._rng.shuffle(order)
+        groups: dict[tuple[float, float], list[EndpointView]] = {}
+        for view in order:
+            groups.setdefault((view.weight_factor, view.endpoint.weight), []).append(view)
+        static = self._static
+        walks: list[_Walk] = []
+        small: list[EndpointView] = []
+        for (factor, weight), members in groups.items():
+            if len(members) < MIN_GROUP:
+                small.extend(members)
+                continue
+            walks.append(_Walk(sorted(((static[v.id], v.id) for v in members), key=lambda e: -e[0]), factor, weight))
+        if small:
+            walks.append(_Walk(sorted(((static[v.id], v.id) for v in small), key=lambda e: -e[0]),
+                               max(v.weight_factor for v in small), max(v.endpoint.weight for v in small)))
+        self._walks = walks
+        return walks
+
+    def _scan(self, req: RequestInfo, loads: LoadView, exclude: frozenset[str], trace: DecisionTrace | None,
+              index: PrefixIndex | None, hashes: list[int], prompt_chars: int) -> tuple[EndpointView, int] | None:
+        """Score every sampled candidate (all of them with `choices: all`): the reference the indexed pick must
+        agree with, and the path of every configuration it cannot take."""
         candidates = [v for v in self._views if v.id not in exclude] if exclude else self._views
         if not candidates:
             return None
@@ -194,49 +362,49 @@ class CompositePicker:
                 if trace is not None:
                     trace.detail["filtered_by_guard"] = listed(v.id for v in candidates if v not in kept)
                 candidates = kept or candidates
-        hashes: list[int] = []
-        prompt_chars = 0
-        index = self._index
         match: Matcher | None = None
         if index is not None and c.prefix is not None:
-            hashes, prompt_chars = prompt_blocks(req.body, c.prefix.block_chars, c.prefix.max_blocks)
             match = Matcher(index, hashes, prompt_chars, req.body, c.prefix)
         # A random draw (a shuffle when `choices` covers the pool), so exact ties never go by list order.
         sample = self._rng.sample(candidates, len(candidates) if c.choices is None else min(c.choices, len(candidates)))
-        most = max(load[v.id] for v in candidates) if self._load_w else 0.0
+        at = self._at
+        at.most = max(load[v.id] for v in candidates) if load else 0.0
+        at.blocks = len(hashes)
         best: EndpointView | None = None
         best_key = best_load = 0.0
         best_match = 0
         for view in sample:
             lv = load[view.id] if self._all_loads else self._load(view, loads, unit)
             matched = match(view.id) if match is not None else 0
-            least_load = c.pick == "least-load"
-            s = self.score(view, 0.0 if least_load else lv, load_score=1.0 - lv / most if most > 0 else 1.0,
-                           prefix_score=matched / len(hashes) if hashes else 0.0)
-            # One key, lower is better, for both picks.
-            key = (lv + 1.0) / (max(s, MIN_SCORE) * view.endpoint.weight) if least_load else -s
+            at.queued = 0.0 if self._least else lv
+            key, s = self._key(view, lv, matched)
             if trace is not None:
-                trace.note(view.id, score=round(s, 4), load=round(lv, 3), key=round(key, 4),
+                trace.note(view.id, score=s, load=lv, key=key, scorers=self._parts(view, lv, matched),
                            **({"prefix_blocks": matched} if hashes else {}))
             if best is None or key < best_key or (key == best_key and lv < best_load):
                 best, best_key, best_load, best_match = view, key, lv, matched
         assert best is not None
-        if best.telemetry is None and self._uses_telemetry:
-            self._events("telemetry_unknown")
         if trace is not None:
             trace.sampled = [v.id for v in sample]
-            trace.reason = "least_load_per_score" if c.pick == "least-load" else "best_score"
+            trace.reason = "least_load_per_score" if self._least else "best_score"
+            trace.detail["weights"] = {spec.name: spec.weight for spec in c.scorers}
             if hashes:
                 trace.detail["prompt_blocks"] = len(hashes)
-        if index is not None and c.prefix is not None:
-            if match is not None:
-                event = match.event()
-                if event is not None:
-                    self._events(event)
-                if trace is not None:
-                    match.explain(trace)
-            remember(index, best.id, hashes, prompt_chars, best_match, c.prefix.block_chars)
-        return best
+        if match is not None:
+            event = match.event()
+            if event is not None:
+                self._events(event)
+            if trace is not None:
+                match.explain(trace)
+        return best, best_match
+
+    def _parts(self, view: EndpointView, lv: float, matched: int) -> dict[str, float]:
+        """Each scorer's clamped score for `view` (an explanation's per-scorer contribution: weight x this)."""
+        at = self._at
+        at.load = lv
+        at.matched = matched
+        return {spec.name: clamp(scorer.score(spec, table.get(view.id, 0.0), at))
+                for spec, scorer, table in self._parts_of}
 
     def observe(self, req: RequestInfo, view: EndpointView) -> None:
         """A request went to `view` without a pick (a session's pinned endpoint): its blocks are there now."""
@@ -259,36 +427,29 @@ def parse_choices(value: Any) -> int | None:
     return value
 
 
-def parse_scorers(raw: Any) -> tuple[Scorer, ...]:
-    """`{gpu: 0.6, queue: {weight: 0.1, maxQueue: 64}}` -> normalised Scorers."""
+def parse_scorers(raw: Any, scorers: ScorerRegistry = SCORERS) -> tuple[ScorerSpec, ...]:
+    """`{gpu: 0.6, queue: {weight: 0.1, maxQueue: 64}}` -> normalised specs. Names, fields and their rules come from
+    the scorer registry (router/routing/policies/scorer_registry.py): each scorer parses its own block."""
     if not isinstance(raw, Mapping) or not raw:
-        raise PolicyConfigError("scorers", f"must map scorer names ({', '.join(SCORERS)}) to weights, got {raw!r}")
-    parsed: list[tuple[str, float, str | None, int]] = []
+        raise PolicyConfigError("scorers", f"must map scorer names ({', '.join(scorers.names())}) to weights, "
+                                           f"got {raw!r}")
+    parsed: list[ScorerSpec] = []
     for name, spec in raw.items():
         where = f"scorers.{name}"
-        if name not in SCORERS:
-            raise PolicyConfigError(where, f"unknown scorer (expected one of: {', '.join(SCORERS)})")
+        scorer = scorers.require(name, where)
         body: Mapping[str, Any] = spec if isinstance(spec, Mapping) else {"weight": spec}
-        known = {"weight"} | ({"signal"} if name in TELEMETRY_SCORERS else set()) | \
-            ({"maxQueue"} if name == "queue" else set())
+        known = {"weight", *scorer.fields}
         for key in body:
             if key not in known:
                 expected = ", ".join(sorted(known))
                 raise PolicyConfigError(f"{where}.{key}", f"unknown field (expected one of: {expected})")
         weight = finite_number(body.get("weight"), f"{where}.weight" if isinstance(spec, Mapping) else where,
                                minimum=0.0, maximum=1000.0)
-        signal = None
-        if name in TELEMETRY_SCORERS:
-            signal = body.get("signal", TELEMETRY_SCORERS[name])
-            allowed = COUNT_SIGNALS if name == "queue" else FRACTION_SIGNALS
-            if signal not in allowed:
-                raise PolicyConfigError(f"{where}.signal", f"must be one of {', '.join(allowed)}, got {signal!r}")
-        max_queue = whole_number(body.get("maxQueue", 32), f"{where}.maxQueue", minimum=1, maximum=MAX_QUEUE) or 32
-        parsed.append((name, float(weight), signal, max_queue))
-    total = sum(w for _, w, _, _ in parsed)
+        parsed.append(scorer.parse(body, where, float(weight or 0.0)))
+    total = sum(s.weight for s in parsed)
     if total <= 0:
         raise PolicyConfigError("scorers", "at least one weight must be positive")
-    return tuple(Scorer(name, w / total, signal, mq) for name, w, signal, mq in parsed if w > 0)
+    return tuple(ScorerSpec(s.name, s.weight / total, s.signal, s.max_queue) for s in parsed if s.weight > 0)
 
 
 def parse_guard(raw: Any) -> LoadGuard:
@@ -322,11 +483,24 @@ def parse_prefix(raw: Any) -> PrefixAwareConfig:
         raise PolicyConfigError(f"prefix.{exc.field}", exc.message) from None
 
 
+def _contributions(e: Explained) -> str:
+    """The chosen endpoint's score as each scorer's part of it, in each scorer's own words."""
+    weights: Mapping[str, float] = e.detail.get("weights", {})
+    scores: Mapping[str, float] = e.chosen.get("scorers", {})
+    parts = []
+    for name, weight in weights.items():
+        scorer = SCORERS.get(name)
+        if scorer is not None and name in scores:
+            parts.append(scorer.explain(round(weight, 4), round(scores[name], 4)))
+    return " = " + " + ".join(parts) if parts else ""
+
+
 REASONS: dict[str, Sentence] = {
     "least_load_per_score": lambda e: (
         f"the least load per unit of score and weight of the {e.sampled} sampled (load {fmt(e.chosen.get('load'))}, "
-        f"score {fmt(e.chosen.get('score'))}, key {fmt(e.chosen.get('key'))})"),
-    "best_score": lambda e: f"the best score of the {e.sampled} sampled ({fmt(e.chosen.get('score'))})",
+        f"score {fmt(e.chosen.get('score'))}{_contributions(e)}, key {fmt(e.chosen.get('key'))})"),
+    "best_score": lambda e: (f"the best score of the {e.sampled} sampled ({fmt(e.chosen.get('score'))}"
+                             f"{_contributions(e)})"),
 }
 
 
@@ -335,11 +509,15 @@ class CompositePolicy:
     reasons = REASONS
     config_key = "composite"
 
+    def __init__(self, scorers: ScorerRegistry = SCORERS) -> None:
+        self.scorers = scorers  # a test may register its own
+
     def parse(self, params: Mapping[str, Any]) -> CompositeConfig:
         reject_unknown(params, {"scorers", "pick", "choices", "loadUnit", "loadGuard", "prefix"})
         if "scorers" not in params:
-            raise PolicyConfigError("scorers", f"is required: scorer names ({', '.join(SCORERS)}) and weights")
-        scorers = parse_scorers(params["scorers"])
+            names = ", ".join(self.scorers.names())
+            raise PolicyConfigError("scorers", f"is required: scorer names ({names}) and weights")
+        scorers = parse_scorers(params["scorers"], self.scorers)
         pick = params.get("pick", "least-load")
         if pick not in PICKS:
             raise PolicyConfigError("pick", f"must be one of {', '.join(PICKS)}, got {pick!r}")
@@ -362,6 +540,6 @@ class CompositePolicy:
     def build(self, views: tuple[EndpointView, ...], config: CompositeConfig, state: PrefixIndex,
               rng: random.Random, events: EventSink) -> CompositePicker:
         if config.prefix is None:
-            return CompositePicker(views, config, rng, events)
+            return CompositePicker(views, config, rng, events, scorers=self.scorers)
         size_index(state, views, config.prefix)
-        return CompositePicker(views, config, rng, events, index=state)
+        return CompositePicker(views, config, rng, events, index=state, scorers=self.scorers)

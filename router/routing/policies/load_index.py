@@ -17,12 +17,15 @@ retry's few failed endpoints: sampled around, or filtered when they fill the buc
 differs from the scan's (same distribution, other draws).
 
 The index also keeps the pool's total in-flight count, which bounded-load consistent hashing needs per pick.
+It also answers, without a scan, the most loaded endpoint's count and the endpoints in increasing order of
+load (`highest`, `ascending`): composite's indexed pick reads both (router/routing/policies/composite.py).
 """
 
 from __future__ import annotations
 
+import heapq
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from router.model import EndpointView
 
@@ -172,6 +175,26 @@ class LoadIndex:
             r -= n
         raise AssertionError("unreachable: r < tied_n")
 
+    def ascending(self) -> Iterator[tuple[int, str]]:
+        """Every endpoint with its in-flight count, least loaded first (composite's indexed pick walks it: it stops
+        after a few). Lazy: each scale set's counts are sorted (there are as many as distinct counts, not endpoints)
+        and merged. Read within one synchronous pick: counts do not move while it runs."""
+        walks = [_ascending(group) for group in self._sets]
+        return walks[0] if len(walks) == 1 else heapq.merge(*walks)
+
+    def highest(self, exclude: frozenset[str]) -> int:
+        """The most in-flight requests at one endpoint outside `exclude` (0 when all are excluded)."""
+        most = 0
+        for group in self._sets:
+            for count in sorted(group.buckets, reverse=True):
+                if count <= most:
+                    break
+                bucket = group.buckets[count]
+                if not exclude or _closed(group, bucket, exclude) < len(bucket):
+                    most = count
+                    break
+        return most
+
     @staticmethod
     def _lowest_open(group: _ScaleSet, exclude: frozenset[str]) -> tuple[int, list[str], int] | None:
         """The group's lowest count with an endpoint outside `exclude`: (count, its bucket, excluded in it)."""
@@ -192,6 +215,12 @@ class LoadIndex:
             if closed < len(bucket):
                 return count, bucket, closed
         return None
+
+
+def _ascending(group: _ScaleSet) -> Iterator[tuple[int, str]]:
+    for count in sorted(group.buckets):
+        for endpoint_id in group.buckets[count]:
+            yield count, endpoint_id
 
 
 def _closed(group: _ScaleSet, bucket: list[str], exclude: frozenset[str]) -> int:
