@@ -98,15 +98,34 @@ class EndpointView:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """An immutable view of the fleet at one moment. `version` grows with every rebuild."""
+    """An immutable view of the fleet at one moment. `version` grows with every rebuild and refresh.
+
+    A telemetry round changes a few endpoints' telemetry, not the fleet's membership: `patched` makes the next
+    snapshot from this one by replacing those views in place of position (`positions`, shared while the
+    membership stands) and sharing every other view, so a round costs what changed plus two C-level copies,
+    and whoever still holds this snapshot keeps reading it unchanged."""
 
     version: int
     views: tuple[EndpointView, ...]
     by_id: Mapping[str, EndpointView] = field(default_factory=dict)
+    positions: Mapping[str, int] = field(default_factory=dict)  # endpoint id -> its index in `views`
+    model_names: tuple[str, ...] = ()  # sorted; membership decides it, so a patch keeps it
 
     @classmethod
     def of(cls, version: int, views: tuple[EndpointView, ...]) -> Snapshot:
-        return cls(version=version, views=views, by_id={v.id: v for v in views})
+        return cls(version=version, views=views, by_id={v.id: v for v in views},
+                   positions={v.id: i for i, v in enumerate(views)},
+                   model_names=tuple(sorted({m for v in views for m in v.endpoint.models})))
+
+    def patched(self, version: int, changed: Mapping[str, EndpointView]) -> Snapshot:
+        """This snapshot with the views in `changed` (by id: the same endpoints, new telemetry) replaced."""
+        views = list(self.views)
+        for endpoint_id, view in changed.items():
+            views[self.positions[endpoint_id]] = view
+        by_id = dict(self.by_id)
+        by_id.update(changed)
+        return Snapshot(version=version, views=tuple(views), by_id=by_id, positions=self.positions,
+                        model_names=self.model_names)
 
     def serving(self, model: str) -> tuple[EndpointView, ...]:
         """Endpoints that serve `model` and accept new requests."""
@@ -115,7 +134,7 @@ class Snapshot:
         )
 
     def models(self) -> tuple[str, ...]:
-        return tuple(sorted({m for v in self.views for m in v.endpoint.models}))
+        return self.model_names
 
 
 @dataclass(frozen=True, slots=True)

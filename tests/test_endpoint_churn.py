@@ -258,7 +258,8 @@ async def exercise(http: aiohttp.ClientSession, router: RunningRouter, wave: int
 # churned pods at some point). Each is a path, or a pattern for paths keyed by a policy or pool.
 EXPECTED_HOLDERS = [
     "ctx.loads._counts", "ctx.loads._costs", "ctx.loads._children", "ctx.loads.prefill._work",
-    "ctx.loads.prefill._seen", "ctx.balancer._endpoints", "ctx.balancer._telemetry",
+    "ctx.loads.prefill._seen", "ctx.balancer._endpoints", "ctx.balancer._telemetry", "ctx.balancer._expiry",
+    "ctx.telemetry_feed._applied",
     "ctx.balancer.gpu_health._seen", "ctx.balancer.gpu_health._current",
     "ctx.balancer.health['chat'].active._tracks", "ctx.balancer.health['chat'].outlier._states",
     "ctx.balancer.health['chat']._breakers", "ctx.balancer.health['chat']._breaker_seen",

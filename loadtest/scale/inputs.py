@@ -148,6 +148,20 @@ class _Capturing:
         self.last = self._policy.build(views, config, state, rng, events)
         return self.last
 
+    def __getattr__(self, name: str) -> Any:
+        # Optional hooks (`refresh`: a telemetry round's incremental update) are the policy's own; a picker
+        # refreshed through one is the one `Balancer.pick` uses from then on, so it is the one remembered.
+        if name != "refresh":
+            raise AttributeError(name)
+        refresh = self._policy.refresh  # AttributeError where the policy has no hook
+
+        def remembered(picker: Any, views: Any, changed: Any) -> Any:
+            new = refresh(picker, views, changed)
+            if new is not None:
+                self.last = new
+            return new
+        return remembered
+
 
 class CapturingRegistry(PolicyRegistry):
     def __init__(self, policies: list[Policy] | None = None) -> None:

@@ -107,6 +107,17 @@ class LoadTracker:
                 indexed.setdefault(view.id, []).append(ix)
         self._indexed = {k: tuple(v) for k, v in indexed.items()}
 
+    def repoint(self, pools: Mapping[str, tuple[tuple[EndpointView, ...], Mapping[str, EndpointView]]]) -> None:
+        """Pools a telemetry refresh patched (model -> (new tuple, the views that changed)): the same endpoints at
+        the same scales, so each index keeps its buckets and takes the new tuple in O(changed)."""
+        for model, (views, changed) in pools.items():
+            index = self._indexes.get(model)
+            if index is None:
+                continue
+            self._by_pool.pop(id(index.views), None)
+            index.patch(views, changed)
+            self._by_pool[id(views)] = index
+
     def snapshot(self) -> dict[str, int]:
         return {k: v for k, v in self._counts.items() if v}
 

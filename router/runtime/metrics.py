@@ -179,7 +179,8 @@ class RouterMetrics:
         )
         self.telemetry_age = Gauge(
             "fleetroute_telemetry_age_seconds",
-            "Age of the newest load report per endpoint when the routing snapshot was built.",
+            "Age of the newest load report per endpoint when the router last applied it: when it arrived, when it went "
+            "stale, and at every full rebuild.",
             ["endpoint"],
             multiprocess_mode="min",
             registry=r,
@@ -398,8 +399,27 @@ class RouterMetrics:
         )
         self.refreshes = Counter(
             "fleetroute_snapshot_refreshes",
-            "Telemetry rounds applied without a full rebuild: new telemetry in the snapshot, pickers rebuilt only "
-            "for policies that read telemetry, over the pools the last rebuild admitted.",
+            "Telemetry rounds applied without a full rebuild: only the endpoints that reported or went stale get "
+            "new views, and only the pickers of pools holding them that read telemetry are refreshed.",
+            registry=r,
+        )
+        self.refreshed_endpoints = Counter(
+            "fleetroute_snapshot_refreshed_endpoints",
+            "Endpoint views replaced by telemetry refreshes (new telemetry, or a report gone stale); divided by "
+            "fleetroute_snapshot_refreshes_total, the endpoints a round updated on average.",
+            registry=r,
+        )
+        self.picker_refreshes = Counter(
+            "fleetroute_picker_refreshes",
+            "Pickers brought up to date by telemetry refreshes, by strategy and how: patched (the policy's refresh "
+            "hook updated the changed endpoints only) or built (no hook: a build over the patched pool).",
+            ["strategy", "how"],
+            registry=r,
+        )
+        self.telemetry_out_of_order = Counter(
+            "fleetroute_telemetry_out_of_order",
+            "Load reports dropped because they were older than the report already held for their endpoint "
+            "(delivered out of order).",
             registry=r,
         )
         # Admission control (router/traffic/admission.py): only policies with admission.maxConcurrentPerEndpoint.

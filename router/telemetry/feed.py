@@ -14,12 +14,14 @@ Two stores with one interface (`read(ids) -> {id: hash fields}`), both holding `
 `TelemetryFeed.refresh` joins records to known endpoints by id, admits each through `admit_record` (the
 trust boundary: sizes, schema, ranges, timestamps; router/runtime/redis_input.py), converts the reporter's
 wall-clock time to the router's monotonic clock, and has the balancer apply the round once
-(`refresh_telemetry`: a full rebuild only when GPU health may have changed). A refused record is counted
-by reason and logged (a schema version once per endpoint, the rest at most once a minute per reason) and
-leaves the endpoint as if it had not reported; a missing or stale record leaves the endpoint "unknown"
-(neutral score). If Redis is unreachable, routing goes on with the last records until they go stale (then
-least-connections-like behaviour through the in-flight term), with a metric and one log line, and recovers
-by itself when Redis answers again. No request ever waits on Redis.
+(`refresh_telemetry`: a full rebuild only when GPU health may have changed; otherwise only the endpoints whose
+view changed are touched). A record read again unchanged, field for field (a full read, or an announcement of
+a record a round had already read), is not handed on, so such a round costs the balancer nothing for that endpoint.
+A refused record is counted by reason and logged (a schema version once per endpoint, the rest at most once
+a minute per reason) and leaves the endpoint as if it had not reported; a missing or stale record leaves the
+endpoint "unknown" (neutral score). If Redis is unreachable, routing goes on with the last records until they
+go stale (then least-connections-like behaviour through the in-flight term), with a metric and one log line,
+and recovers by itself when Redis answers again. No request ever waits on Redis.
 """
 
 from __future__ import annotations
@@ -299,6 +301,7 @@ class TelemetryFeed:
         self._store_down = False
         self._schema_warned: set[str] = set()
         self._read_members: set[str] = set()  # the members as of the last round: a newcomer is read at once
+        self._applied: dict[str, TelemetryRecord] = {}  # per endpoint: the record last handed to the balancer
         self._full_read_every = full_read_every
         self._last_full_read = float("-inf")
         self._rejected = RejectionLog(what="telemetry record", logger=log,
@@ -307,6 +310,8 @@ class TelemetryFeed:
     def forget_endpoints(self, gone: frozenset[str]) -> None:
         self._schema_warned -= gone
         self._read_members -= gone
+        for endpoint_id in gone:
+            self._applied.pop(endpoint_id, None)
 
     def _to_read(self) -> tuple[list[str], str]:
         """The endpoints this round reads, and which kind of round it is: `full` (every member: the first
@@ -360,6 +365,9 @@ class TelemetryFeed:
                     log.error("telemetry record ignored: unknown schema version (upgrade the router or the agent)",
                               extra={"endpoint": endpoint_id, "error": exc.detail})
                 continue
+            if self._applied.get(endpoint_id) == record:
+                continue  # the record the balancer already has, field for field (its age is judged there)
+            self._applied[endpoint_id] = record
             self._balancer.report_telemetry(endpoint_id, to_telemetry(record, wall_now=wall, mono_now=mono))
         self._balancer.refresh_telemetry()
 

@@ -147,6 +147,11 @@ class Policy(Protocol):
 
     # Optional: `reads_telemetry = False` on a policy whose build and picks never read `EndpointView.telemetry`:
     # a telemetry round then keeps its pickers as they are (balancer.py `refresh_telemetry`). Absent: True.
+    # Optional: `refresh(picker, views, changed) -> Picker | None`, for a policy that reads telemetry: the picker
+    # for `views`, the pool `picker` was built or refreshed over with the endpoints in `changed` (id -> new view)
+    # given new telemetry (same endpoints, order and weights). A telemetry round calls it instead of `build`, so
+    # its cost can follow what changed (adaptive). It must not change `picker`, which a pick may still hold;
+    # None (or no hook) means: build a new picker over `views`.
 
     def new_state(self) -> Any:
         """Per-pool state carried across rebuilds (or None). A state that keeps anything per endpoint has a

@@ -119,6 +119,14 @@ class LoadIndex:
         self._others = None  # recount the others' share against the new tuple's members (the same ids)
         return True
 
+    def patch(self, views: tuple[EndpointView, ...], changed: Mapping[str, EndpointView]) -> None:
+        """Take `views` as this pool's where it differs from the current tuple only by `changed` (new telemetry
+        for the same endpoints at the same scales, as a telemetry round's refresh makes it): O(changed)."""
+        self.views = views
+        by_id = dict(self._by_id)  # a copy: a reader of the old tuple's index keeps its views
+        by_id.update(changed)
+        self._by_id = by_id
+
     def __contains__(self, endpoint_id: str) -> bool:
         return endpoint_id in self._set_of
 

@@ -296,8 +296,9 @@ def build_feed(ctx: RouterContext, *, since: int | None = None) -> dict[str, Any
 
 
 def _telemetry_ages(ctx: RouterContext) -> dict[str, float]:
-    """`fleetroute_telemetry_age_seconds` per endpoint: the age of its last report at the last rebuild, also
-    when it is too old to use (the snapshot keeps only fresh reports)."""
+    """`fleetroute_telemetry_age_seconds` per endpoint: the age of its last report when the router last applied
+    it (its arrival, its going stale, a full rebuild), also when it is too old to use (the snapshot keeps only
+    fresh reports)."""
     ages = {}
     for family in ctx.metrics.telemetry_age.collect():
         for sample in family.samples:
