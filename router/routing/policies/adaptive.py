@@ -60,12 +60,12 @@ from router.routing.policies.composite import (
     MAX_QUEUE,
     MIN_SCORE,
     PICKS,
-    TELEMETRY_SCORERS,
     CompositeConfig,
     Scorer,
     parse_choices,
 )
 from router.routing.policies.composite import REASONS as COMPOSITE_REASONS
+from router.routing.policies.scorer_registry import SCORERS
 from router.routing.policies.scorers import clamp, free_fraction, queue_free
 
 DEFAULT_WEIGHTS = {"gpu": 0.6, "memory": 0.3, "queue": 0.1}
@@ -218,7 +218,7 @@ class AdaptivePicker:
         self._queue = next((s for s in config.scorers if s.name == "queue"), None)
         signal = self._queue.signal if self._queue is not None else None
         self._queued = _Signal([_reported(v, signal) for v in views], 0.0)
-        self._uses_telemetry = any(s.name in TELEMETRY_SCORERS for s in config.scorers)
+        self._uses_telemetry = any(getattr(SCORERS.get(s.name), "uses_telemetry", False) for s in config.scorers)
         self._fills = [signal.fill() for _w, _n, signal in self._fractions]
         self._queue_fill = self._queued.fill()
 
