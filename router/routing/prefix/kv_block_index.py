@@ -28,10 +28,10 @@ the oldest go first when the cap is reached) and whether it is `precise` now. Th
 started (sequence 0) or since a resync's warm-up passed; after a gap its blocks are dropped and the
 approximate index answers for it until the warm-up has passed.
 
-Memory: one entry is ~200 bytes (a dict slot with a 32-byte sha256 key and an int, plus a set entry in the
-inverted table); the cap per engine (`maxBlocksPerEndpoint`, 262144 by default: a 16-token-block engine
-holding 4M tokens) bounds it at ~50 MB per engine, usually far less (an H100 with 8B weights holds ~30k
-16-token blocks: ~6 MB).
+Memory: ~480 bytes per block held, measured (docs/results/kv-ingest.json; a dict slot with a 32-byte sha256
+key and an int, plus a set entry in the inverted table); the cap per engine (`maxBlocksPerEndpoint`, 262144 by
+default: a 16-token-block engine holding 4M tokens) bounds it at ~125 MB per engine, usually far less (an H100
+with 8B weights holds ~30k 16-token blocks: ~14 MB).
 
 No I/O and no clock: the subscriber applies events on the event loop thread; picks read between them.
 """
