@@ -147,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.router_overhead import machine
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    facts = machine()  # the commit whose code this process imported, before a long run
     results = run(args.scenario, args.fraction, args.seeds, args.policy, with_scenario_policies=not args.only)
     record = {"scenario": Path(args.scenario).stem, "fraction": args.fraction, "seeds": args.seeds,
-              "policies": args.policy, "only": args.only, "started_utc": started, "machine": machine(),
+              "policies": args.policy, "only": args.only, "started_utc": started, "machine": facts,
               "results": results}
     text = render_record(record)
     print(text)
