@@ -168,10 +168,12 @@ class VllmServer:
             **self.extra_env,
         }
         env.pop("VIRTUAL_ENV", None)
+        # float32, not bfloat16: the bfloat16 attention kernel dies of SIGILL on VMs that list AMX but do not
+        # let a process use it (docs/real-vllm.md).
         cmd = [
             str(self.python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_dir), "--served-model-name", SERVED_MODEL,
-            "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager",
+            "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
             "--max-num-seqs", str(MAX_NUM_SEQS),
             "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args,
             "--enable-prefix-caching", "--kv-events-config", json.dumps({
