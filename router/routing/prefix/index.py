@@ -37,6 +37,7 @@ entry costs one cache miss, never a wrong answer.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterable, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,29 +100,8 @@ class PrefixIndex:
         """Every endpoint holding at least the first of `hashes`, with how many leading blocks it holds (what
         `matched` says for it; endpoints absent hold none). Cost: the blocks walked times the endpoints still
         matching at each, never the number of endpoints indexed."""
-        out: dict[str, int] = {}
         table = self._holders
-        live: set[str] = set()
-        n = 0
-        for h in hashes:
-            held = table.get(h)
-            if held is None:
-                break
-            if not n:
-                live = {held} if isinstance(held, str) else set(held)
-            else:
-                nxt: set[str] = ({held} if held in live else set()) if isinstance(held, str) else live & held
-                if len(nxt) < len(live):
-                    for endpoint_id in live:
-                        if endpoint_id not in nxt:
-                            out[endpoint_id] = n
-                live = nxt
-                if not live:
-                    return out
-            n += 1
-        for endpoint_id in live:
-            out[endpoint_id] = n
-        return out
+        return leading_matches(table.get(h) for h in hashes)
 
     def longest(self, hashes: list[int]) -> tuple[int, frozenset[str] | set[str]]:
         """The longest leading match of `hashes` any endpoint holds, and the endpoints holding it (0 and none
@@ -376,3 +356,28 @@ class PrefixIndex:
     @property
     def queued(self) -> int:
         return self._outbox_size
+
+
+def leading_matches(held_per_block: Iterable[str | Set[str] | None]) -> dict[str, int]:
+    """Given the holders of a prompt's blocks in order (one endpoint id, a set of them, or None for a block
+    nobody holds), how many leading blocks each endpoint holding the first one holds: a walk narrowing the
+    endpoints still matching, so it costs the blocks walked times those endpoints. Shared by the approximate
+    index and the KV-event one."""
+    out: dict[str, int] = {}
+    live: set[str] = set()
+    n = 0
+    for held in held_per_block:
+        if held is None:
+            break
+        group = {held} if isinstance(held, str) else held
+        nxt = set(group) if not n else live & group
+        if n and len(nxt) < len(live):
+            for endpoint_id in live - nxt:
+                out[endpoint_id] = n
+        live = nxt
+        if not live:
+            return out
+        n += 1
+    for endpoint_id in live:
+        out[endpoint_id] = n
+    return out

@@ -44,6 +44,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.routing.prefix.index import leading_matches
+
 DEFAULT_MAX_BLOCKS = 262144
 MAX_TOKENIZE_CHARS = 64 * 1024  # a pick tokenizes at most this much prompt text (its first blocks)
 ROOT = b""
@@ -141,24 +143,7 @@ class KVBlockIndex:
         """Every engine holding at least the first of `keys`, with how many leading blocks it holds (`matched`
         for each at once): a walk of the inverted table narrowing the engines still matching, so its cost is
         the prompt's length times those engines, not the number of engines."""
-        out: dict[str, int] = {}
-        live: set[str] = set()
-        n = 0
-        for key in keys:
-            held = self.holders.get(key)
-            if held is None:
-                break
-            nxt = set(held) if not n else live & held
-            if n and len(nxt) < len(live):
-                for endpoint_id in live - nxt:
-                    out[endpoint_id] = n
-            live = nxt
-            if not live:
-                return out
-            n += 1
-        for endpoint_id in live:
-            out[endpoint_id] = n
-        return out
+        return leading_matches(self.holders.get(key) for key in keys)
 
     def size(self, endpoint_id: str) -> int:
         engine = self.engines.get(endpoint_id)

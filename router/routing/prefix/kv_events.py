@@ -13,11 +13,11 @@ Where it runs, and why here: in each router replica, one SUB socket per engine. 
 any number of subscribers, so n replicas cost the engine n copies of a few KB/s, and each replica's index is
 exact without a shared store (sharing it through Redis, as the approximate index is, would add a hop and a
 staleness the events exist to remove). The cost is CPU per replica: an engine prefilling 5k tokens/s in
-16-token blocks stores ~300 blocks/s and evicts as many, ~600 block events/s; decoding and indexing measured
-~9 us per block event (docs/benchmarks.md, "KV-event ingestion at 1,000 engines"), so 100 engines take ~0.45 of a core per
-replica, one core ~180 engines, and 1,000 engines (600k block events/s) ~5.6 cores: past ~150 engines per
-replica this belongs in a component of its own (an indexer sharded by engine, as llm-d's kv-cache-manager),
-which this module's index could become.
+16-token blocks stores ~300 blocks/s and evicts as many, ~600 block events/s; decoding and indexing
+measured ~9 us per block event (docs/benchmarks.md, "KV-event ingestion at 1,000 engines"), so 100 engines
+take ~0.45 of a core per replica, one core ~180 engines, and 1,000 engines (600k block events/s) ~5.6 cores:
+past ~150 engines per replica this belongs in a component of its own (an indexer sharded by engine, as
+llm-d's kv-cache-manager), which this module's index could become.
 
 Sequence numbers (per engine, from 0 at the engine's start):
     next expected          applied
